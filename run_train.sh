@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Launch training with torchrun.
+#   NGPU         ranks to start (default: all visible GPUs; without GPUs, 4 CPU ranks on gloo)
+#   CONFIG_FILE  TOML config (default: the debug Llama 3)
+#   LOG_RANK     comma-separated ranks whose output is shown (default 0)
+# Every argument is passed through as a config override, e.g.
+#   ./run_train.sh --model.name llama3_auto_parallel --parallelism.tensor_parallel_degree 4
+set -euo pipefail
+cd "$(dirname "$0")"
+bash scripts/bootstrap.sh
+py=.venv/bin/python
+
+if [[ -z "${NGPU:-}" ]]; then
+  NGPU=$($py -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  [[ "$NGPU" -gt 0 ]] || NGPU=4
+fi
+CONFIG_FILE=${CONFIG_FILE:-./torchtitan/models/llama3/train_configs/debug_model.toml}
+LOG_RANK=${LOG_RANK:-0}
+
+# Check the configuration once, before starting any rank: a typo or an impossible mesh
+# gets one clear message instead of one traceback per rank.
+$py -m torchtitan.preflight --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+
+# Each rank gets an equal share of the cores (ranks oversubscribing threads crawl).
+cores=$(nproc)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}
+exec $py -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

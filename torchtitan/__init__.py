@@ -1,0 +1,1 @@
+"""torchtitan-style LLM trainer."""

@@ -1,0 +1,186 @@
+"""Stage 1: trace a meta-device model into a joint forward+backward ATen graph on fake tensors.
+
+The model's parameters and buffers are swapped (on a structural copy) for *fake CPU* tensors
+— not meta ones: meta tensors silently drop the backward through `nll_loss`/cross-entropy.
+Nothing is allocated, so an 8B model traces on a laptop.  SDPA is traced with the MATH backend
+so attention becomes bmm/softmax, ops DTensor has rules for.
+
+The result, `TracedGraph`, identifies every placeholder and graph output by role (parameter
+FQN, buffer FQN, user input, tangent, forward output, parameter gradient) using AOTAutograd's
+descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._functorch._aot_autograd import fx_utils
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+
+from .errors import PlannerError
+
+
+@dataclass
+class TracedGraph:
+    """A joint graph plus the role of each placeholder/output.
+
+    `outputs[i]` is the node producing forward output i and `tangents[i]` its tangent
+    placeholder (None if the output needs no gradient).  `grads[fqn]` is the node producing
+    the gradient of parameter `fqn` (None if the parameter gets no gradient).
+    """
+
+    gm: fx.GraphModule
+    params: dict[str, fx.Node]
+    buffers: dict[str, fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    tangents: list[fx.Node | None]
+    grads: dict[str, fx.Node | None]
+    input_spec: Any  # pytree spec of the user's forward args
+    output_spec: Any  # pytree spec of the forward output
+    param_dtype: torch.dtype | None = None
+    forward_nodes: set[fx.Node] = field(default_factory=set)
+
+    def tensor_val(self, node: fx.Node) -> torch.Tensor | None:
+        v = node.meta.get("val")
+        return v if isinstance(v, torch.Tensor) else None
+
+
+def check_on_meta(model: nn.Module) -> None:
+    """Raise a PlannerError naming the first parameter/buffer not on the meta device."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.device.type != "meta":
+                raise PlannerError(
+                    f"model must be built on the meta device: {kind} '{name}' is on {t.device}"
+                )
+
+
+def _fakeify(model: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replace (in place) every meta parameter/buffer with a fake CPU tensor, keeping aliases."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
+            mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = fake_like(b)
+            mod._buffers[name] = memo[id(b)]
+
+
+class _CastParams(nn.Module):
+    """Trace-time wrapper: the wrapped model sees its floating parameters cast to `dtype`.
+
+    This puts an explicit cast node right after each parameter placeholder, so the solver can
+    place an all-gather after the cast (low precision) and the backward grad cast before the
+    gradient reduction (high precision).
+    """
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner = inner
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        params = {
+            n: (p.to(self.dtype) if p.is_floating_point() else p)
+            for n, p in self.inner.named_parameters(remove_duplicate=False)
+        }
+        return torch.func.functional_call(self.inner, params, args, kwargs, tie_weights=True, strict=False)
+
+
+def trace_joint(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    param_dtype: torch.dtype | None = None,
+) -> TracedGraph:
+    """Trace `model` (on meta) with global-shaped inputs from `input_fn` into a joint graph."""
+    check_on_meta(model)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_model = copy.deepcopy(model)
+    _fakeify(fake_model, fake_mode)
+    with fake_mode:
+        inputs = input_fn()
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    flat_inputs, input_spec = pytree.tree_flatten(args)
+    for i, x in enumerate(flat_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise PlannerError(f"input_fn must return tensors; input {i} is {type(x).__name__}")
+
+    traced_mod: nn.Module = fake_model
+    prefix = ""
+    if param_dtype is not None:
+        traced_mod = _CastParams(fake_model, param_dtype)
+        prefix = "inner."
+
+    with contextlib.ExitStack() as stack, sdpa_kernel(SDPBackend.MATH):
+        joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
+        gm = joint.graph_module
+    graph = gm.graph
+
+    def strip(fqn: str) -> str:
+        return fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
+
+    params = {strip(k): v for k, v in fx_utils.get_named_param_nodes(graph).items()}
+    buffers = {strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()}
+    grads: dict[str, fx.Node | None] = {}
+    for desc, (_p, g) in fx_utils.get_param_and_grad_nodes(graph).items():
+        grads[strip(desc.target)] = g
+    inputs_nodes = [n for _d, (n, _g) in sorted(
+        fx_utils.get_plain_input_and_grad_nodes(graph).items(), key=lambda kv: kv[0].idx)]
+    outs = sorted(fx_utils.get_plain_output_and_tangent_nodes(graph).items(), key=lambda kv: kv[0].idx)
+    outputs = [o for _d, (o, _t) in outs]
+    tangents = [t for _d, (_o, t) in outs]
+    if len(inputs_nodes) != len(flat_inputs):
+        raise PlannerError(
+            f"traced graph has {len(inputs_nodes)} input placeholders for {len(flat_inputs)} inputs "
+            "(an input is unused or aliased)")
+    needs_grad = [n for n, p in model.named_parameters() if p.requires_grad]
+    if needs_grad and all(g is None for g in grads.values()):
+        raise PlannerError("traced graph has no backward: no parameter received a gradient")
+
+    tg = TracedGraph(
+        gm=gm, params=params, buffers=buffers, inputs=inputs_nodes, outputs=outputs,
+        tangents=tangents, grads=grads, input_spec=input_spec, output_spec=getattr(joint, "out_spec", None),
+        param_dtype=param_dtype,
+    )
+    tg.forward_nodes = forward_nodes(tg)
+    return tg
+
+
+def forward_nodes(tg: TracedGraph) -> set[fx.Node]:
+    """Nodes needed to compute the forward outputs (ancestors of the outputs, no tangents)."""
+    seen: set[fx.Node] = set()
+    stack = list(tg.outputs)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

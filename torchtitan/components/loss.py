@@ -1,0 +1,20 @@
+"""Training loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of logits (batch, seq, vocab) against labels (batch, seq).
+
+    Computed in fp32 whatever the logits' dtype.
+    """
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def build_cross_entropy_loss(job_config: Any):
+    return cross_entropy_loss

@@ -1,0 +1,96 @@
+"""Tokenizer wrapper around a Hugging Face ``tokenizer.json``.
+
+The repo ships a small byte-level BPE in ``tests/assets/tokenizer`` (built by
+``scripts/train_tokenizer.py``); any folder holding a ``tokenizer.json`` works.
+"""
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer
+
+from torchtitan.components.errors import AssetError
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_DEFAULT_BOS, _DEFAULT_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def _locate(tokenizer_path: str) -> Path:
+    """The ``tokenizer.json`` for a folder (or the file itself).
+
+    A relative path is tried from the current directory first, then from the repo root,
+    so the default ``./tests/assets/tokenizer`` works from any working directory.
+    """
+    given = Path(tokenizer_path).expanduser()
+    candidates = [given] if given.is_absolute() else [given, _REPO_ROOT / given]
+    for candidate in candidates:
+        file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
+        if file.is_file() and file.name.endswith(".json"):
+            return file
+    raise AssetError(
+        f"no tokenizer.json found at tokenizer path '{tokenizer_path}' "
+        f"(resolved to {given.resolve()}): set --model.tokenizer_path to a folder containing "
+        "tokenizer.json; the repo ships ./tests/assets/tokenizer"
+    )
+
+
+def _token_name(entry) -> str | None:
+    """A token name from tokenizer_config.json: a plain string or an AddedToken dict."""
+    if isinstance(entry, dict):
+        return entry.get("content")
+    return entry
+
+
+class HuggingFaceTokenizer:
+    """Encodes text to ids with optional BOS/EOS, and decodes ids back to text.
+
+    BOS/EOS names come from ``tokenizer_config.json`` next to ``tokenizer.json``
+    (``bos_token``/``eos_token``), defaulting to ``<|begin_of_text|>``/``<|end_of_text|>``;
+    names missing from the vocabulary are added as special tokens. The backend is always
+    called with ``add_special_tokens=False``, so a post-processor that would insert
+    BOS/EOS itself never does, and each is added exactly once, here.
+    """
+
+    def __init__(self, tokenizer_path: str):
+        file = _locate(tokenizer_path)
+        self.tokenizer_path = str(file.parent)
+        self._backend = Tokenizer.from_file(str(file))
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        self.bos_token = _token_name(config.get("bos_token")) or _DEFAULT_BOS
+        self.eos_token = _token_name(config.get("eos_token")) or _DEFAULT_EOS
+        self._bos_id = self._special_id(self.bos_token)
+        self._eos_id = self._special_id(self.eos_token)
+
+    def _special_id(self, token: str) -> int:
+        if self._backend.token_to_id(token) is None:
+            self._backend.add_special_tokens([token])
+        return self._backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, including added special tokens (the model's embedding size)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return ([self._bos_id] if add_bos else []) + ids + ([self._eos_id] if add_eos else [])
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``ids`` (a list or a 1-D tensor); BOS/EOS are dropped unless asked for."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def build_hf_tokenizer(job_config) -> HuggingFaceTokenizer:
+    """The tokenizer at ``job_config.model.tokenizer_path``."""
+    return HuggingFaceTokenizer(job_config.model.tokenizer_path)

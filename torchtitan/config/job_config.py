@@ -1,0 +1,276 @@
+"""Typed description of a training job.
+
+One dataclass per TOML section. Every field has a default and a docstring
+(the string literal right below it); `ConfigManager` reads those strings from
+the source and shows them in `--help`, so adding a field here is all that is
+needed to make it settable from TOML and the command line.
+"""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class Job:
+    """Where the run writes its outputs and how it describes itself."""
+
+    config_file: str | None = None
+    """TOML file with settings for this job. Values given on the command line override it."""
+
+    dump_folder: str = "./outputs"
+    """Root folder for everything the run writes (checkpoints, TensorBoard logs, traces)."""
+
+    description: str = "torchtitan training job"
+    """Free-form description, printed at start-up."""
+
+    print_config: bool = False
+    """Print the fully resolved config (as TOML) when the trainer starts."""
+
+    use_for_integration_test: bool = False
+    """Mark this TOML as one the integration tests should run."""
+
+
+@dataclass
+class Model:
+    """Which model to build (looked up in the TrainSpec registry)."""
+
+    name: str = "llama3"
+    """Registered model (TrainSpec) name."""
+
+    flavor: str = "debugmodel"
+    """Size/variant of the model, a key of the TrainSpec's config table (e.g. debugmodel, 8B)."""
+
+    tokenizer_path: str = "./tests/assets/tokenizer"
+    """Folder (or file) holding the tokenizer."""
+
+
+@dataclass
+class Optimizer:
+    """Optimizer and its hyper-parameters."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warm-up."""
+
+    beta1: float = 0.9
+    """Adam beta1: decay rate of the first-moment (momentum) estimate."""
+
+    beta2: float = 0.95
+    """Adam beta2: decay rate of the second-moment estimate."""
+
+    eps: float = 1e-8
+    """Adam epsilon, added to the denominator for numerical stability."""
+
+    weight_decay: float = 0.1
+    """Weight decay (decoupled for AdamW, L2 penalty for Adam)."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Kernel strategy: for-loop (one param at a time), foreach (multi-tensor ops) or fused
+    (single fused kernel; fastest but not available for every device/dtype)."""
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule: linear warm-up, optional stable phase, then decay."""
+
+    warmup_steps: int = 200
+    """Steps of linear warm-up from near zero to optimizer.lr."""
+
+    decay_ratio: float | None = None
+    """None: decay starts right after warm-up. Otherwise warmup-stable-decay (WSD): hold the
+    peak lr, then decay over the last `decay_ratio` fraction of training.steps."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay phase."""
+
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of optimizer.lr (0.0 decays to zero)."""
+
+
+@dataclass
+class Training:
+    """Data, batch shape, step count and numerics of the training loop."""
+
+    dataset: str = "titan_corpus"
+    """Registered dataset name."""
+
+    dataset_path: str | None = None
+    """Local path of the dataset; none uses the registered default location."""
+
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks. -1 means local_batch_size x data-parallel
+    degree; a larger multiple of that turns on gradient accumulation."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence."""
+
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 or negative disables clipping)."""
+
+    steps: int = 10000
+    """Number of optimizer steps to train for."""
+
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of parameters in forward/backward under FSDP; weights and optimizer state stay
+    float32. auto = bfloat16 on GPU, float32 on CPU."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which gradients are reduced across data-parallel ranks."""
+
+    gc_freq: int = 50
+    """Run Python garbage collection every N steps (automatic GC is disabled to avoid stalls)."""
+
+    seed: int | None = None
+    """Random seed for model init and data order; none picks a fresh seed."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (slower; for debugging and bit-exact comparisons)."""
+
+
+@dataclass
+class Parallelism:
+    """How the world is split into a device mesh. The product of all degrees equals the world
+    size."""
+
+    data_parallel_replicate_degree: int = 1
+    """Number of model replicas (DDP, or the replicate dimension of HSDP)."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree. -1 means whatever is left of the world after the other degrees."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (1 disables TP)."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always (saves memory), never (saves an
+    all-gather in backward), or default (always, except for the last block)."""
+
+    disable_loss_parallel: bool = False
+    """With TP, compute the loss on the full (gathered) logits instead of sharded logits."""
+
+
+@dataclass
+class Checkpoint:
+    """Saving and resuming (distributed checkpoints)."""
+
+    enable: bool = False
+    """Save checkpoints and resume from the latest one in `folder`."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 500
+    """Save every N steps (a final checkpoint is also saved at the last step)."""
+
+    keep_latest_k: int = 10
+    """Keep only the newest K checkpoints (0 keeps all)."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when `folder` holds none (e.g. converted pretrained weights)."""
+
+    initial_load_model_only: bool = True
+    """Load only model weights from initial_load_path (no optimizer, scheduler or step).
+    Use --checkpoint.no_initial_load_model_only for a full resume."""
+
+    last_save_model_only: bool = False
+    """Make the final checkpoint weights-only (smaller, for export/inference)."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype of a model-only final checkpoint."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """async writes checkpoints in the background so training continues meanwhile."""
+
+    load_step: int = -1
+    """Step to resume from; -1 means the latest available."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Recompute activations in backward to save memory."""
+
+    mode: Literal["none", "selective", "full"] = "selective"
+    """none, selective (per `selective_ac_option`) or full (every transformer block)."""
+
+    selective_ac_option: str = "2"
+    """For selective mode: an integer N checkpoints every Nth block; "op" saves the outputs of
+    expensive ops (matmuls, attention) and recomputes the rest."""
+
+
+@dataclass
+class Compile:
+    """torch.compile."""
+
+    enable: bool = False
+    """Compile the components listed in `components`."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile, comma-separated on the command line: model (per block), loss."""
+
+
+@dataclass
+class Metrics:
+    """Logging of loss, throughput and memory."""
+
+    log_freq: int = 10
+    """Log metrics every N steps."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+
+    disable_color_printing: bool = False
+    """Plain console logs without ANSI colours."""
+
+    cpu_peak_tflops: float = 1.0
+    """Peak dense TFLOP/s assumed for MFU when training on CPU (there is no table of CPU peaks).
+    MFU = achieved model FLOP/s / this peak, so set it to your CPU's figure for a meaningful MFU;
+    GPU peaks are looked up from the device name."""
+
+
+@dataclass
+class Comm:
+    """Collective-communication timeouts."""
+
+    init_timeout_seconds: int = 300
+    """Timeout for collectives during initialisation (first checkpoint load, warm-up)."""
+
+    train_timeout_seconds: int = 100
+    """Timeout for collectives once training has started; a hang fails after this long."""
+
+
+@dataclass
+class Experimental:
+    """Hooks for code living outside the core package."""
+
+    custom_import: str = ""
+    """Module imported at start-up, e.g. one that registers an extra TrainSpec."""
+
+
+@dataclass
+class JobConfig:
+    """Root of the config: one attribute per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    experimental: Experimental = field(default_factory=Experimental)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict of every value."""
+        return asdict(self)

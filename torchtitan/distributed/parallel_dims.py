@@ -1,0 +1,128 @@
+"""The parallelism degrees of a job and the device mesh they describe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class ParallelismConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ParallelDims:
+    """Degrees from `[parallelism]`, validated against the world size.
+
+    Mesh dimensions, outermost first: `dp_replicate` (HSDP/DDP replicas), `dp_shard`
+    (FSDP), `tp`.  Only dimensions of size > 1 appear in the mesh.  Flattened views:
+    `dp` (all data-parallel ranks: data loading and loss averaging) and, for HSDP,
+    both data dims side by side for `fully_shard`.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    enable_loss_parallel: bool = True
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, degree in (("data_parallel_replicate_degree", self.dp_replicate),
+                             ("tensor_parallel_degree", self.tp)):
+            if degree < 1:
+                raise ParallelismConfigError(
+                    f"--parallelism.{name} must be >= 1, got {degree}"
+                )
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp
+            if self.world_size % rest:
+                raise ParallelismConfigError(
+                    f"world size {self.world_size} is not divisible by "
+                    f"data_parallel_replicate_degree {self.dp_replicate} × "
+                    f"tensor_parallel_degree {self.tp} = {rest}"
+                )
+            self.dp_shard = self.world_size // rest
+        if self.dp_shard < 1:
+            raise ParallelismConfigError(
+                f"--parallelism.data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}"
+            )
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ParallelismConfigError(
+                f"parallelism degrees multiply to {product} "
+                f"(replicate {self.dp_replicate} × shard {self.dp_shard} × tp {self.tp}) "
+                f"but the world size is {self.world_size}; make them multiply to "
+                f"{self.world_size} or set --parallelism.data_parallel_shard_degree -1"
+            )
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        return cls(
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=parallelism.data_parallel_shard_degree,
+            tp=parallelism.tensor_parallel_degree,
+            world_size=world_size,
+            enable_loss_parallel=not parallelism.disable_loss_parallel,
+        )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        dims = [(n, d) for n, d in (("dp_replicate", self.dp_replicate),
+                                    ("dp_shard", self.dp_shard), ("tp", self.tp)) if d > 1]
+        if not dims:  # a single rank: a 1-element mesh keeps the code paths uniform
+            dims = [("dp_shard", 1)]
+        names = tuple(n for n, _ in dims)
+        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        dp_names = tuple(n for n in names if n.startswith("dp_"))
+        if len(dp_names) > 1:
+            mesh[dp_names]._flatten("dp")
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    @property
+    def dp_mesh_names(self) -> tuple[str, ...]:
+        names = self.world_mesh.mesh_dim_names or ()
+        return tuple(n for n in names if n.startswith("dp_"))
+
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The data-parallel ranks as one 1-D mesh (None when there is no data parallelism)."""
+        names = self.dp_mesh_names
+        if not names:
+            return None
+        return self.world_mesh["dp"] if len(names) > 1 else self.world_mesh[names[0]]
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp_enabled and self.enable_loss_parallel
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one sample stream (used to report tokens/s per rank)."""
+        return self.tp

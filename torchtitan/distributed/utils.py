@@ -1,0 +1,93 @@
+"""Process groups, determinism, and the collectives the training loop needs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(init_timeout_seconds: int) -> int:
+    """Join the torchrun job: NCCL on GPUs, gloo on CPU.  Returns the world size.
+
+    A run started without torchrun is treated as a world of one.
+    """
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=init_timeout_seconds)
+        )
+    return dist.get_world_size()
+
+
+def set_determinism(seed: int | None, deterministic: bool) -> None:
+    """Seed every generator identically on all ranks (all our mesh dims are SPMD).
+
+    With no seed given, rank 0 draws one and broadcasts it, so ranks still agree.
+    """
+    if seed is None:
+        proposal = torch.tensor([random.SystemRandom().randrange(2**31)], dtype=torch.int64)
+        if dist.is_initialized():
+            proposal = proposal.to(device_type())
+            dist.broadcast(proposal, src=0)
+        seed = int(proposal.item())
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+
+
+def dist_reduce(value: torch.Tensor, op: str, mesh: DeviceMesh | None) -> float:
+    """Average (op="avg") or maximum (op="max") of a scalar over the mesh's ranks."""
+    value = value.detach().float().reshape(1).clone()
+    if mesh is not None and mesh.size() > 1:
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        dist.all_reduce(value, op=reduce_op, group=mesh.get_group())
+        if op == "avg":
+            value /= mesh.size()
+    return float(value.item())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm; works when parameters are DTensors on any mesh.
+
+    The norm of each gradient is computed on its local shard, squared and summed per
+    mesh (a DTensor reduction), so the total is exact without gathering gradients.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total_sq = None
+    for g in grads:
+        sq = g.float().pow(2).sum()  # DTensor for sharded grads: becomes Partial/Replicate
+        if isinstance(sq, DTensor):
+            sq = sq.full_tensor()
+        total_sq = sq if total_sq is None else total_sq + sq
+    total_norm = total_sq.sqrt()
+    if max_norm > 0:
+        clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)
+        if clip_coef < 1.0:
+            for g in grads:
+                g.mul_(clip_coef)
+    return total_norm

@@ -1,0 +1,28 @@
+"""The `llama3` TrainSpec: Llama 3 with hand-written parallelism."""
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.datasets.hf_datasets import build_hf_dataloader
+from torchtitan.models.llama3.args import llama3_configs, TransformerModelArgs
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.protocols.train_spec import TrainSpec
+
+__all__ = ["Transformer", "TransformerModelArgs", "llama3_configs", "get_train_spec"]
+
+
+def get_train_spec(name: str = "llama3", parallelize_fn=parallelize_llama) -> TrainSpec:
+    """The llama3 spec; other specs reuse it with their own `parallelize_fn`."""
+    return TrainSpec(
+        name=name,
+        model_cls=Transformer,
+        flavors=llama3_configs,
+        parallelize_fn=parallelize_fn,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_hf_dataloader,
+        build_tokenizer_fn=build_hf_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+    )

@@ -1,0 +1,16 @@
+from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
+from torchtitan.protocols.train_spec import (
+    get_train_spec,
+    register_train_spec,
+    registered_names,
+    TrainSpec,
+)
+
+__all__ = [
+    "BaseModelArgs",
+    "ModelProtocol",
+    "TrainSpec",
+    "get_train_spec",
+    "register_train_spec",
+    "registered_names",
+]

@@ -1,0 +1,63 @@
+"""TrainSpec: everything model-specific the trainer needs, looked up by `--model.name`.
+
+Built-in specs are imported lazily (their module is imported the first time the name is
+asked for), so an optional spec with heavy or missing dependencies never breaks
+`import torchtitan`.  Specs registered at run time (e.g. from
+`--experimental.custom_import`) take priority over the built-ins.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.protocols.model import BaseModelArgs
+
+# name -> module exposing `get_train_spec() -> TrainSpec`
+_BUILTIN_SPECS: dict[str, str] = {
+    "llama3": "torchtitan.models.llama3",
+    "llama3_auto_parallel": "torchtitan.experiments.auto_parallel",
+}
+_REGISTERED: dict[str, "TrainSpec"] = {}
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    name: str
+    model_cls: type
+    flavors: Mapping[str, BaseModelArgs]
+    parallelize_fn: Callable[..., Any]
+    """(model, parallel_dims, job_config) -> model; runs on the meta-device model."""
+    build_optimizers_fn: Callable[..., Any]
+    build_lr_schedulers_fn: Callable[..., Any]
+    build_dataloader_fn: Callable[..., Any]
+    build_tokenizer_fn: Callable[..., Any]
+    build_loss_fn: Callable[..., Any]
+
+
+class UnknownTrainSpecError(ValueError):
+    pass
+
+
+def register_train_spec(spec: TrainSpec) -> None:
+    if spec.name in _REGISTERED:
+        raise ValueError(f"a TrainSpec named {spec.name!r} is already registered")
+    _REGISTERED[spec.name] = spec
+
+
+def registered_names() -> list[str]:
+    return sorted(set(_REGISTERED) | set(_BUILTIN_SPECS))
+
+
+def get_train_spec(name: str) -> TrainSpec:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name not in _BUILTIN_SPECS:
+        raise UnknownTrainSpecError(
+            f"--model.name: unknown model {name!r}; registered: {', '.join(registered_names())}"
+        )
+    spec = importlib.import_module(_BUILTIN_SPECS[name]).get_train_spec()
+    _REGISTERED[name] = spec
+    return spec

@@ -1,0 +1,164 @@
+"""The training loop: build everything from a JobConfig through the model's TrainSpec.
+
+Nothing here knows which model or which parallelism runs: the TrainSpec supplies the
+model class, its `parallelize_fn` and the builders; the loop only follows the contract
+meta build → parallelize → `to_empty` → `init_weights` → optimizer → steps.
+
+Run with `python -m torchtitan.train --job.config_file ...` under torchrun
+(`run_train.sh` does this).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config import JobConfig, main_parse, to_toml
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.sharded_init import exact_sharded_init
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.logging import init_logger, logger
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig):
+        self.job_config = job_config
+        if job_config.experimental.custom_import:
+            importlib.import_module(job_config.experimental.custom_import)
+        if job_config.job.print_config and int(os.environ.get("RANK", "0")) == 0:
+            print(to_toml(job_config), flush=True)
+
+        world_size = dist_utils.init_distributed(job_config.comm.init_timeout_seconds)
+        self.rank = dist.get_rank()
+        self.device = torch.device(dist_utils.device_type())
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
+        self.parallel_dims.build_mesh(self.device.type)
+        self.dp_mesh = self.parallel_dims.dp_mesh()
+        dp_degree = self.parallel_dims.dp_degree
+        dp_rank = self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+        dist_utils.set_determinism(job_config.training.seed, job_config.training.deterministic)
+
+        self.train_spec = spec = get_train_spec(job_config.model.name)
+        self.tokenizer = spec.build_tokenizer_fn(job_config)
+        self.dataloader = spec.build_dataloader_fn(dp_degree, dp_rank, self.tokenizer, job_config)
+
+        training = job_config.training
+        global_batch = training.global_batch_size
+        if global_batch < 0:
+            global_batch = training.local_batch_size * dp_degree
+        per_step = training.local_batch_size * dp_degree
+        if global_batch % per_step:
+            raise ValueError(
+                f"--training.global_batch_size {global_batch} is not a multiple of "
+                f"local_batch_size {training.local_batch_size} × data-parallel degree {dp_degree}"
+            )
+        self.grad_accumulation_steps = global_batch // per_step
+
+        if job_config.model.flavor not in spec.flavors:
+            raise ValueError(
+                f"--model.flavor: unknown flavor {job_config.model.flavor!r} for "
+                f"{spec.name}; choose from {', '.join(spec.flavors)}"
+            )
+        model_args = copy.deepcopy(spec.flavors[job_config.model.flavor])
+        model_args.update_from_config(job_config, self.tokenizer)
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
+        logger.info(
+            f"{spec.name} {job_config.model.flavor}: {nparams:,} parameters; "
+            f"mesh {self.parallel_dims.world_mesh}"
+        )
+
+        model = spec.parallelize_fn(model, self.parallel_dims, job_config)
+        model.to_empty(device=self.device)
+        with torch.no_grad(), exact_sharded_init():
+            model.init_weights()
+        model.train()
+        self.model = model
+
+        self.optimizers = spec.build_optimizers_fn([model], job_config)
+        self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
+        self.loss_fn = spec.build_loss_fn(job_config)
+        self.metrics = MetricsProcessor(
+            job_config, self.device.type, flops_per_token,
+            self.parallel_dims.non_data_parallel_size, self.rank,
+        )
+        self.step = 0
+        self.losses: list[float] = []
+        self.gc_freq = training.gc_freq
+        gc.disable()  # collected every gc_freq steps on all ranks at once, no stragglers
+        logger.info(
+            f"training {training.steps} steps: local batch {training.local_batch_size}, "
+            f"global batch {global_batch} (grad accumulation {self.grad_accumulation_steps}), "
+            f"seq_len {training.seq_len}"
+        )
+
+    def batches(self):
+        """Endless (inputs, labels) on the training device, counting tokens."""
+        while True:
+            for inputs, labels in self.dataloader:
+                self.metrics.count_tokens(labels.numel())
+                yield inputs["input"].to(self.device), labels.to(self.device)
+
+    def train_step(self, data_iter) -> tuple[float, float, float]:
+        self.optimizers.zero_grad()
+        step_loss = torch.zeros((), device=self.device)
+        for _ in range(self.grad_accumulation_steps):
+            tokens, labels = next(data_iter)
+            loss = self.loss_fn(self.model(tokens), labels) / self.grad_accumulation_steps
+            loss.backward()
+            step_loss += loss.detach()
+        grad_norm = dist_utils.clip_grad_norm_(
+            self.model.parameters(), self.job_config.training.max_norm
+        )
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        avg = dist_utils.dist_reduce(step_loss, "avg", self.dp_mesh)
+        mx = dist_utils.dist_reduce(step_loss, "max", self.dp_mesh)
+        return avg, mx, float(grad_norm)
+
+    def train(self) -> None:
+        cfg = self.job_config
+        data_iter = self.batches()
+        while self.step < cfg.training.steps:
+            self.step += 1
+            if self.step % self.gc_freq == 0:
+                gc.collect(1)
+            lr = self.lr_schedulers.get_last_lr()
+            loss, max_loss, grad_norm = self.train_step(data_iter)
+            self.losses.append(loss)
+            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                self.metrics.log(self.step, loss, max_loss, grad_norm, lr)
+        logger.info("training completed")
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    job_config = main_parse(argv)
+    trainer = Trainer(job_config)
+    trainer.train()
+    trainer.close()
+    # gloo ranks can abort in teardown after all work is done; leave in lockstep, flushed.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
