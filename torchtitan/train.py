@@ -25,9 +25,35 @@ from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.sharded_init import exact_sharded_init
+from torchtitan.errors import UserInputError
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
+
+
+def grad_accumulation_steps(training: Any, dp_degree: int) -> int:
+    """Micro-batches per optimizer step so that a step sees `global_batch_size` samples."""
+    per_step = training.local_batch_size * dp_degree
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else per_step
+    if global_batch % per_step:
+        raise UserInputError(
+            f"--training.global_batch_size {global_batch} is not a multiple of "
+            f"local_batch_size {training.local_batch_size} × data-parallel degree {dp_degree}"
+        )
+    return global_batch // per_step
+
+
+def resolve_model_args(spec: Any, job_config: JobConfig, tokenizer: Any) -> Any:
+    """The flavor's model args, completed from the job config and tokenizer."""
+    flavor = job_config.model.flavor
+    if flavor not in spec.flavors:
+        raise UserInputError(
+            f"--model.flavor: unknown flavor {flavor!r} for {spec.name}; "
+            f"choose from {', '.join(spec.flavors)}"
+        )
+    model_args = copy.deepcopy(spec.flavors[flavor])
+    model_args.update_from_config(job_config, tokenizer)
+    return model_args
 
 
 class Trainer:
@@ -55,24 +81,9 @@ class Trainer:
         self.dataloader = spec.build_dataloader_fn(dp_degree, dp_rank, self.tokenizer, job_config)
 
         training = job_config.training
-        global_batch = training.global_batch_size
-        if global_batch < 0:
-            global_batch = training.local_batch_size * dp_degree
-        per_step = training.local_batch_size * dp_degree
-        if global_batch % per_step:
-            raise ValueError(
-                f"--training.global_batch_size {global_batch} is not a multiple of "
-                f"local_batch_size {training.local_batch_size} × data-parallel degree {dp_degree}"
-            )
-        self.grad_accumulation_steps = global_batch // per_step
+        self.grad_accumulation_steps = grad_accumulation_steps(training, dp_degree)
 
-        if job_config.model.flavor not in spec.flavors:
-            raise ValueError(
-                f"--model.flavor: unknown flavor {job_config.model.flavor!r} for "
-                f"{spec.name}; choose from {', '.join(spec.flavors)}"
-            )
-        model_args = copy.deepcopy(spec.flavors[job_config.model.flavor])
-        model_args.update_from_config(job_config, self.tokenizer)
+        model_args = resolve_model_args(spec, job_config, self.tokenizer)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
@@ -101,7 +112,7 @@ class Trainer:
         gc.disable()  # collected every gc_freq steps on all ranks at once, no stragglers
         logger.info(
             f"training {training.steps} steps: local batch {training.local_batch_size}, "
-            f"global batch {global_batch} (grad accumulation {self.grad_accumulation_steps}), "
+            f"grad accumulation {self.grad_accumulation_steps}, "
             f"seq_len {training.seq_len}"
         )
 
@@ -150,14 +161,23 @@ class Trainer:
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     job_config = main_parse(argv)
-    trainer = Trainer(job_config)
-    trainer.train()
-    trainer.close()
+    try:
+        trainer = Trainer(job_config)
+        trainer.train()
+        trainer.close()
+    except UserInputError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        _exit(2)
     # gloo ranks can abort in teardown after all work is done; leave in lockstep, flushed.
     dist.barrier()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

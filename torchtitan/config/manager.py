@@ -30,13 +30,14 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.errors import UserInputError
 
 CONFIG_FILE_KEY = ("job", "config_file")
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """Invalid configuration input; the message is a single line meant for the user."""
 
 

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchtitan.errors import UserInputError
 
-class ParallelismConfigError(ValueError):
+
+class ParallelismConfigError(UserInputError):
     pass
 
 
@@ -27,6 +29,7 @@ class ParallelDims:
     world_size: int
     enable_loss_parallel: bool = True
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name, degree in (("data_parallel_replicate_degree", self.dp_replicate),
@@ -76,7 +79,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         dp_names = tuple(n for n in names if n.startswith("dp_"))
         if len(dp_names) > 1:
-            mesh[dp_names]._flatten("dp")
+            self._flat_dp_mesh = mesh[dp_names]._flatten("dp")
         self._mesh = mesh
         return mesh
 
@@ -96,7 +99,7 @@ class ParallelDims:
         names = self.dp_mesh_names
         if not names:
             return None
-        return self.world_mesh["dp"] if len(names) > 1 else self.world_mesh[names[0]]
+        return self._flat_dp_mesh if len(names) > 1 else self.world_mesh[names[0]]
 
     @property
     def dp_degree(self) -> int:

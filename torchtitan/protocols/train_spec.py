@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 
 # name -> module exposing `get_train_spec() -> TrainSpec`
@@ -37,7 +38,7 @@ class TrainSpec:
     build_loss_fn: Callable[..., Any]
 
 
-class UnknownTrainSpecError(ValueError):
+class UnknownTrainSpecError(UserInputError):
     pass
 
 

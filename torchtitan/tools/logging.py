@@ -12,9 +12,8 @@ def init_logger() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler()
-    rank = os.environ.get("RANK", "0")
     handler.setFormatter(
-        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+        logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -1,0 +1,41 @@
+"""ParallelDims validation messages and mesh layout (fake process group, one process)."""
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismConfigError
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ParallelismConfigError, match=r"multiply to 6 .* world size is 4"):
+        ParallelDims(dp_replicate=1, dp_shard=3, tp=2, world_size=4)
+
+
+def test_shard_minus_one_takes_the_rest_or_says_why_not():
+    assert ParallelDims(dp_replicate=1, dp_shard=-1, tp=2, world_size=8).dp_shard == 4
+    with pytest.raises(ParallelismConfigError, match="not divisible by .* tensor_parallel_degree 3"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, tp=3, world_size=4)
+
+
+def test_bad_degree_named():
+    with pytest.raises(ParallelismConfigError, match="tensor_parallel_degree must be >= 1, got 0"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, tp=0, world_size=4)
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def test_mesh_has_only_dims_above_one_and_flattened_dp(fake_world):
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8)
+    mesh = dims.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert dims.dp_mesh().size() == 4
+    assert dims.loss_parallel_enabled and dims.non_data_parallel_size == 2
+    tp_only = ParallelDims(dp_replicate=1, dp_shard=1, tp=8, world_size=8)
+    assert tp_only.build_mesh("cpu").mesh_dim_names == ("tp",)
+    assert tp_only.dp_mesh() is None and not tp_only.dp_enabled

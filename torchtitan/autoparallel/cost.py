@@ -1,0 +1,212 @@
+"""Stage 3: the cost model — compute time per strategy and redistribution time per edge.
+
+Everything is in microseconds.  All constants live in dataclasses a user can override:
+
+* `DeviceSpec`: peak FLOP/s per dtype, memory bandwidth, efficiency, kernel launch floor.
+  Compute time of an op is a roofline, `max(flops / peak, bytes / bandwidth)` on the *local*
+  (per-rank) shapes, plus the launch floor.  View ops cost nothing.
+* `LinkSpec`: alpha-beta link (latency in us, bandwidth in GB/s) for one mesh dimension.
+* `CostModel`: a device and one link per mesh dim (by default derived from `gpus_per_node`:
+  inner mesh dims that fit in a node use the intra-node link, others the inter-node link).
+
+Collectives (n ranks, B bytes moving per rank): all-gather and reduce-scatter
+`alpha + (n-1)/n * B_full / bw`, all-reduce twice that, all-to-all `alpha + (n-1)/n * B / bw`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils.flop_counter import flop_registry
+
+from . import placements as P
+
+INF = math.inf
+
+
+@dataclass
+class DeviceSpec:
+    name: str
+    tflops: dict[str, float]  # dense peak per dtype name ("float32", "bfloat16", "float16")
+    mem_bw_gbps: float  # HBM / DRAM bandwidth, GB/s
+    efficiency: float = 0.7  # fraction of peak reached in practice
+    launch_us: float = 5.0  # per-kernel floor
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        name = str(dtype).replace("torch.", "")
+        return self.tflops.get(name, self.tflops.get("float32", 1.0)) * 1e12
+
+
+@dataclass
+class LinkSpec:
+    latency_us: float
+    bw_gbps: float  # per-rank bus bandwidth, GB/s
+
+
+# Public figures (dense, no sparsity); fp32 matmuls are assumed to use TF32 on GPUs.
+DEVICES: dict[str, DeviceSpec] = {
+    "cpu": DeviceSpec("cpu", {"float32": 0.2, "bfloat16": 0.2, "float16": 0.1}, 20.0, 0.7, 2.0),
+    "a100": DeviceSpec("a100", {"float32": 156.0, "bfloat16": 312.0, "float16": 312.0}, 2039.0),
+    "h100": DeviceSpec("h100", {"float32": 494.0, "bfloat16": 989.0, "float16": 989.0}, 3350.0),
+    "h200": DeviceSpec("h200", {"float32": 494.0, "bfloat16": 989.0, "float16": 989.0}, 4800.0),
+}
+
+# (intra-node, inter-node) links
+LINKS: dict[str, tuple[LinkSpec, LinkSpec]] = {
+    "cpu": (LinkSpec(20.0, 5.0), LinkSpec(50.0, 1.0)),
+    "a100": (LinkSpec(10.0, 240.0), LinkSpec(20.0, 25.0)),
+    "h100": (LinkSpec(10.0, 360.0), LinkSpec(20.0, 50.0)),
+    "h200": (LinkSpec(10.0, 360.0), LinkSpec(20.0, 50.0)),
+}
+
+
+@dataclass
+class CostModel:
+    """Device + per-mesh-dim links.  `links=None` derives them from `gpus_per_node`."""
+
+    device: DeviceSpec = field(default_factory=lambda: DEVICES["h100"])
+    links: Sequence[LinkSpec] | None = None
+    intra: LinkSpec | None = None
+    inter: LinkSpec | None = None
+    gpus_per_node: int = 8
+
+    @classmethod
+    def for_device(cls, name: str, **overrides) -> "CostModel":
+        key = name.lower()
+        if key not in DEVICES:
+            from .errors import PlannerError
+            raise PlannerError(f"unknown device '{name}'; known: {sorted(DEVICES)}")
+        intra, inter = LINKS[key]
+        return cls(device=DEVICES[key], intra=intra, inter=inter, **overrides)
+
+    def mesh_links(self, mesh_shape: Sequence[int]) -> list[LinkSpec]:
+        if self.links is not None:
+            if len(self.links) != len(mesh_shape):
+                from .errors import PlannerError
+                raise PlannerError(f"cost model has {len(self.links)} links for a {len(mesh_shape)}-D mesh")
+            return list(self.links)
+        intra = self.intra or LINKS["h100"][0]
+        inter = self.inter or LINKS["h100"][1]
+        out = []
+        for d, n in enumerate(mesh_shape):
+            inner = math.prod(mesh_shape[d + 1:])
+            out.append(intra if inner * n <= self.gpus_per_node else inter)
+        return out
+
+    def with_links(self, links: Sequence[LinkSpec]) -> "CostModel":
+        return replace(self, links=list(links))
+
+
+def resolve_cost_model(cost_model) -> CostModel:
+    """Accept a CostModel, a device name, or None (CPU when no GPU, else H100)."""
+    if isinstance(cost_model, CostModel):
+        return cost_model
+    if cost_model is None:
+        return CostModel.for_device("h100")
+    if isinstance(cost_model, str):
+        return CostModel.for_device(cost_model)
+    from .errors import PlannerError
+    raise PlannerError(f"cost_model must be a CostModel or a device name, got {type(cost_model).__name__}")
+
+
+class Estimator:
+    """Caches compute and communication estimates for one mesh and cost model."""
+
+    def __init__(self, cm: CostModel, mesh_shape: Sequence[int]):
+        self.cm = cm
+        self.mesh_shape = tuple(mesh_shape)
+        self.links = cm.mesh_links(self.mesh_shape)
+        self._comm: dict = {}
+
+    # ---------------- compute ----------------
+    def compute_us(self, op, in_vals, in_pls, out_vals, out_pls, args) -> float:
+        if not isinstance(op, torch._ops.OpOverload) or op.is_view:
+            return 0.0
+        nbytes = 0
+        for v, pl in list(zip(in_vals, in_pls)) + list(zip(out_vals, out_pls)):
+            if isinstance(v, torch.Tensor):
+                shape = P.local_shape(v.shape, pl, self.mesh_shape) if pl is not None else v.shape
+                nbytes += math.prod(shape) * v.element_size()
+        flops = 0.0
+        f = flop_registry.get(op.overloadpacket)
+        if f is not None:
+            flops = _flops(f, op, args, in_vals, in_pls, out_vals, out_pls, self.mesh_shape)
+        dev = self.cm.device
+        dtype = next((v.dtype for v in in_vals if isinstance(v, torch.Tensor)), torch.float32)
+        t_flop = flops / (dev.peak_flops(dtype) * dev.efficiency) * 1e6
+        t_mem = nbytes / (dev.mem_bw_gbps * 1e9 * dev.efficiency) * 1e6
+        return max(t_flop, t_mem) + dev.launch_us
+
+    # ---------------- communication ----------------
+    def comm_us(self, src: P.Placements, tgt: P.Placements, shape, itemsize: int) -> float:
+        key = (src, tgt, tuple(shape), itemsize)
+        r = self._comm.get(key)
+        if r is None:
+            r = self._comm[key] = self._comm_uncached(src, tgt, shape, itemsize)
+        return r
+
+    def _comm_uncached(self, src, tgt, shape, itemsize) -> float:
+        if src == tgt:
+            return 0.0
+        cur = list(src)
+        nbytes = math.prod(P.local_shape(shape, src, self.mesh_shape)) * itemsize
+        total = 0.0
+        # gathers / reductions first (they grow the local size), then local slices
+        order = sorted(range(len(src)), key=lambda d: (isinstance(tgt[d], Replicate) is False, d))
+        for d in order:
+            s, t = cur[d], tgt[d]
+            if s == t:
+                continue
+            n = self.mesh_shape[d]
+            link = self.links[d]
+            frac = (n - 1) / n
+            bw = link.bw_gbps * 1e9 / 1e6  # bytes per us
+            if isinstance(t, Partial):
+                return INF  # creating a Partial is never a redistribution we allow
+            if isinstance(s, Shard) and isinstance(t, Replicate):
+                total += link.latency_us + frac * nbytes * n / bw
+                nbytes *= n
+            elif isinstance(s, Shard) and isinstance(t, Shard):
+                total += link.latency_us + frac * nbytes / bw
+            elif isinstance(s, Partial) and isinstance(t, Replicate):
+                total += 2 * (link.latency_us + frac * nbytes / bw)
+            elif isinstance(s, Partial) and isinstance(t, Shard):
+                total += link.latency_us + frac * nbytes / bw
+                nbytes = -(-nbytes // n)
+            elif isinstance(s, Replicate) and isinstance(t, Shard):
+                total += 0.0  # local slice
+                nbytes = -(-nbytes // n)
+            else:
+                return INF
+            cur[d] = t
+        return total
+
+
+def _flops(f, op, args, in_vals, in_pls, out_vals, out_pls, mesh_shape) -> float:
+    """Apply torch's FLOP formula to local shapes (tensor args replaced by local torch.Size)."""
+    it = iter(zip(in_vals, in_pls))
+    import torch.fx as fx
+
+    def loc(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                val, pl = next(it)
+                return torch.Size(P.local_shape(val.shape, pl, mesh_shape) if pl is not None else val.shape)
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(loc(x) for x in a)
+        return a
+
+    try:
+        local_args = [loc(a) for a in args]
+        outs = [torch.Size(P.local_shape(v.shape, pl, mesh_shape)) if pl is not None else v.shape
+                for v, pl in zip(out_vals, out_pls) if isinstance(v, torch.Tensor)]
+        out_val = outs[0] if len(outs) == 1 else tuple(outs)
+        return float(f(*local_args, out_val=out_val))
+    except Exception:
+        return 0.0

@@ -1,0 +1,340 @@
+"""Stage 4: choose one strategy per node with a 0/1 program solved by HiGHS (highspy).
+
+Variables
+* `x[n, s]` (binary): node n uses strategy s.  One-hot per node.
+* `y[e, o, r]` (continuous, 0..1): on edge e, the producer emits placement o and the consumer
+  needs placement r.  Tight ("marginal") formulation: for every o, sum_r y = sum of x over the
+  producer's strategies emitting o; for every r, sum_o y = sum of x over the consumer's
+  strategies needing r.  Pairs whose redistribution is impossible get no variable.
+* `w[k, r]` (binary): the placement in which graph output k leaves the graph (a "sink").
+
+Constraints beyond consistency: a parameter's gradient leaves in the parameter's placement,
+a forward output's tangent enters in the output's placement, user pins, and the
+parameter-memory budget.  Objective: compute time of chosen strategies + redistribution time
+of chosen edges (+ a tiny tie-breaker per placement change).
+
+User constraints are named; if the program is infeasible we drop them one at a time to find a
+minimal conflicting set and report their names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import highspy
+import torch
+import torch.fx as fx
+
+from . import placements as P
+from .cost import INF, Estimator
+from .errors import ConstraintError, InfeasiblePlanError, PlannerError
+from .strategies import StrategyTable
+from .trace import TracedGraph
+
+log = logging.getLogger(__name__)
+
+TIE_BREAK_US = 0.01
+
+
+@dataclass
+class UserConstraint:
+    name: str  # human-readable, used in error messages
+    kind: str  # "pin" | "mem"
+    node: fx.Node | None = None
+    placement: P.Placements | None = None
+    sink: int | None = None  # output index for output pins
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass
+class Solution:
+    choice: dict[fx.Node, int]  # node -> strategy index
+    sink_placement: dict[int, P.Placements]  # output index -> placement
+    grad_placement: dict[str, P.Placements]
+    compute_us: float
+    comm_us: float
+    objective: float
+    status: str
+    optimal: bool
+    num_vars: int
+    num_rows: int
+    edge_comm: dict = field(default_factory=dict)  # (consumer node, arg k) -> us
+
+
+class _Model:
+    """Row-wise sparse model accumulator."""
+
+    def __init__(self):
+        self.cost: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[bool] = []
+        self.row_lo: list[float] = []
+        self.row_hi: list[float] = []
+        self.starts: list[int] = [0]
+        self.index: list[int] = []
+        self.value: list[float] = []
+
+    def var(self, cost: float, integer: bool, lb=0.0, ub=1.0) -> int:
+        self.cost.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
+        merged: dict[int, float] = defaultdict(float)
+        for c, v in terms:
+            merged[c] += v
+        for c, v in merged.items():
+            if v != 0.0:
+                self.index.append(c)
+                self.value.append(v)
+        self.starts.append(len(self.index))
+        self.row_lo.append(lo)
+        self.row_hi.append(hi)
+
+    def solve(self, time_limit: float, verbose: bool):
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", bool(verbose))
+        h.setOptionValue("time_limit", float(time_limit))
+        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("threads", 1)
+        lp = highspy.HighsLp()
+        n = len(self.cost)
+        lp.num_col_ = n
+        lp.num_row_ = len(self.row_lo)
+        lp.col_cost_ = self.cost
+        lp.col_lower_ = self.lb
+        lp.col_upper_ = self.ub
+        lp.row_lower_ = self.row_lo
+        lp.row_upper_ = self.row_hi
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = self.starts
+        lp.a_matrix_.index_ = self.index
+        lp.a_matrix_.value_ = self.value
+        lp.a_matrix_.num_col_ = n
+        lp.a_matrix_.num_row_ = len(self.row_lo)
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in self.integer]
+        h.passModel(lp)
+        h.run()
+        status = h.getModelStatus()
+        sol = h.getSolution()
+        info = h.getInfo()
+        has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        return status, (list(sol.col_value) if has_sol else None), info.objective_function_value
+
+
+class PlacementSolver:
+    def __init__(self, tg: TracedGraph, table: StrategyTable, est: Estimator):
+        self.tg = tg
+        self.table = table
+        self.est = est
+        self.mesh_shape = table.mesh_shape
+        self._compute: dict[tuple[fx.Node, int], float] = {}
+
+    # ------------------------------------------------------------------
+    def compute_cost(self, node: fx.Node, s: int) -> float:
+        key = (node, s)
+        c = self._compute.get(key)
+        if c is None:
+            ns = self.table.nodes[node]
+            st = ns.strategies[s]
+            if node.op != "call_function":
+                c = 0.0
+            else:
+                in_vals = [_source_val(src) for src in ns.sources]
+                v = node.meta["val"]
+                out_vals = list(v) if isinstance(v, (list, tuple)) else [v]
+                c = self.est.compute_us(node.target, in_vals, list(st.ins), out_vals, list(st.out), node.args)
+            self._compute[key] = c
+        return c
+
+    def param_bytes(self, node: fx.Node) -> int:
+        v = node.meta["val"]
+        return v.numel() * v.element_size()
+
+    # ------------------------------------------------------------------
+    def solve(self, constraints: list[UserConstraint], time_limit: float = 120.0,
+              verbose: bool = False) -> Solution:
+        sol = self._solve_once(constraints, time_limit, verbose)
+        if sol is not None:
+            return sol
+        # infeasible: find a minimal conflicting set of user constraints
+        active = list(constraints)
+        if self._solve_once([], time_limit, False) is None:
+            raise InfeasiblePlanError("no placement exists even without user constraints")
+        for c in list(active):
+            trial = [a for a in active if a is not c]
+            if self._solve_once(trial, time_limit, False) is None:
+                active = trial
+        names = "; ".join(c.name for c in active)
+        raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
+
+    def _solve_once(self, constraints, time_limit, verbose) -> Solution | None:
+        t0 = time.perf_counter()
+        tg, table, est = self.tg, self.table, self.est
+        m = _Model()
+        xvars: dict[fx.Node, list[int]] = {}
+        for node, ns in table.nodes.items():
+            xs = [m.var(self.compute_cost(node, s), True) for s in range(len(ns.strategies))]
+            xvars[node] = xs
+            m.row([(x, 1.0) for x in xs], 1.0, 1.0)
+
+        edge_vars: list[tuple[tuple, int, float]] = []  # (edge key, var, cost)
+
+        def producer_groups(src) -> dict[P.Placements, list[int]]:
+            ns = table.nodes[src[0]]
+            g: dict[P.Placements, list[int]] = defaultdict(list)
+            for s, pl in enumerate(ns.out_placements(src[1])):
+                if pl is not None:
+                    g[pl].append(xvars[src[0]][s])
+            return g
+
+        def link(src, cons_groups: dict[P.Placements, list[int]], key) -> None:
+            """Tight edge constraints between a producer and a consumer's requirement groups."""
+            val = _source_val(src)
+            prod = producer_groups(src)
+            rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
+            rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+            for o in prod:
+                for r in cons_groups:
+                    c = est.comm_us(o, r, tuple(val.shape), val.element_size())
+                    if c == INF:
+                        continue
+                    y = m.var(c + (TIE_BREAK_US if o != r else 0.0), False)
+                    edge_vars.append((key, y, c))
+                    rows_o[o].append((y, 1.0))
+                    rows_r[r].append((y, 1.0))
+            for terms in list(rows_o.values()) + list(rows_r.values()):
+                m.row(terms, 0.0, 0.0)
+
+        # consumer edges
+        for node, ns in table.nodes.items():
+            for k, src in enumerate(ns.sources):
+                groups: dict[P.Placements, list[int]] = defaultdict(list)
+                for s, st in enumerate(ns.strategies):
+                    r = st.ins[k]
+                    if r is None:
+                        continue
+                    groups[r].append(xvars[node][s])
+                if groups:
+                    link(src, groups, (node, k))
+
+        # sinks: forward outputs (tied to tangents) and parameter gradients (tied to params)
+        sink_vars: dict[int, dict[P.Placements, int]] = {}
+        for i, out in enumerate(tg.outputs):
+            src = _resolve(out)
+            val = _source_val(src)
+            opts = P.all_placements(val.shape, self.mesh_shape)
+            w = {pl: m.var(0.0, True) for pl in opts}
+            m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
+            sink_vars[i] = w
+            link(src, {pl: [v] for pl, v in w.items()}, ("output", i))
+            tan = tg.tangents[i]
+            if tan is not None and tan in table.nodes:
+                self._tie(m, w, table.nodes[tan], xvars[tan])
+        grad_vars: dict[str, dict[P.Placements, int]] = {}
+        for fqn, g in tg.grads.items():
+            if g is None:
+                continue
+            pnode = tg.params[fqn]
+            src = _resolve(g)
+            val = _source_val(src)
+            opts = P.all_placements(val.shape, self.mesh_shape)
+            w = {pl: m.var(0.0, True) for pl in opts}
+            m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
+            grad_vars[fqn] = w
+            link(src, {pl: [v] for pl, v in w.items()}, ("grad", fqn))
+            self._tie(m, w, table.nodes[pnode], xvars[pnode])
+
+        # user constraints
+        for c in constraints:
+            if c.kind == "pin":
+                if c.sink is not None:
+                    w = sink_vars[c.sink]
+                    if c.placement not in w:
+                        raise ConstraintError(f"{c.name}: placement not valid for the output's shape")
+                    m.lb[w[c.placement]] = 1.0
+                else:
+                    ns = table.nodes[c.node]
+                    idx = [s for s, st in enumerate(ns.strategies) if st.out[0] == c.placement]
+                    if not idx:
+                        raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
+                    m.lb[xvars[c.node][idx[0]]] = 1.0
+            elif c.kind == "mem":
+                terms, lo_bound, hi_bound = [], 0.0, 0.0
+                for fqn, pnode in tg.params.items():
+                    ns = table.nodes[pnode]
+                    b = self.param_bytes(pnode)
+                    fr = [P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
+                          for st in ns.strategies]
+                    for s, f in enumerate(fr):
+                        terms.append((xvars[pnode][s], b * f))
+                    fmin = min(fr)
+                    hi_bound += b * max(fmin, c.high if c.high is not None else 1.0)
+                    lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
+                m.row(terms, lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
+                      hi_bound * (1 + 1e-9))
+        build_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        status, values, obj = m.solve(time_limit, verbose)
+        solve_s = time.perf_counter() - t1
+        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s",
+                 len(m.cost), len(m.row_lo), build_s, solve_s, status)
+        if status == highspy.HighsModelStatus.kInfeasible or values is None:
+            if status not in (highspy.HighsModelStatus.kInfeasible,):
+                if status == highspy.HighsModelStatus.kTimeLimit:
+                    raise PlannerError(f"solver hit the {time_limit}s time limit without a feasible plan")
+            return None
+        optimal = status == highspy.HighsModelStatus.kOptimal
+        if not optimal:
+            log.warning("solver stopped with status %s; the plan is feasible but not proven optimal", status)
+        choice = {}
+        compute = 0.0
+        for node, xs in xvars.items():
+            s = max(range(len(xs)), key=lambda i: values[xs[i]])
+            choice[node] = s
+            compute += self.compute_cost(node, s)
+        comm = 0.0
+        edge_comm: dict = defaultdict(float)
+        for key, v, c in edge_vars:
+            if values[v] > 0.5:
+                comm += c
+                edge_comm[key] += c
+        sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
+        grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
+        self.last_build_s, self.last_solve_s = build_s, solve_s
+        return Solution(choice, sinks, grads, compute, comm, obj, str(status), optimal,
+                        len(m.cost), len(m.row_lo), dict(edge_comm))
+
+    @staticmethod
+    def _tie(m: _Model, w: dict, ns, xs: list[int]) -> None:
+        """Sink placement == the placement of a placeholder (param or tangent)."""
+        by_pl: dict = defaultdict(list)
+        for s, st in enumerate(ns.strategies):
+            by_pl[st.out[0]].append(xs[s])
+        for pl in set(w) | set(by_pl):
+            terms = [(v, 1.0) for v in by_pl.get(pl, [])]
+            if pl in w:
+                terms.append((w[pl], -1.0))
+            m.row(terms, 0.0, 0.0)
+
+
+def _resolve(node: fx.Node):
+    from .strategies import resolve_source
+    return resolve_source(node)
+
+
+def _source_val(src) -> torch.Tensor:
+    node, idx = src
+    v = node.meta["val"]
+    if isinstance(v, (list, tuple)):
+        return v[idx]
+    return v

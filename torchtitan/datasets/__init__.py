@@ -1,0 +1,17 @@
+"""Datasets and dataloaders for training (see ``hf_datasets``)."""
+
+from torchtitan.datasets.hf_datasets import (
+    DATASETS,
+    DatasetConfig,
+    HuggingFaceDataset,
+    ParallelAwareDataloader,
+    build_hf_dataloader,
+)
+
+__all__ = [
+    "DATASETS",
+    "DatasetConfig",
+    "HuggingFaceDataset",
+    "ParallelAwareDataloader",
+    "build_hf_dataloader",
+]
