@@ -16,6 +16,7 @@ from torchtitan.components.errors import AssetError
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.datasets import DATASETS, DatasetConfig, HuggingFaceDataset, build_hf_dataloader
 from torchtitan.datasets.hf_datasets import load_local_dataset
+from torchtitan.errors import UserInputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = [(f"Document number {i} says: " + "lorem ipsum dolor sit amet " * (i % 4)).strip() for i in range(12)]
@@ -70,15 +71,19 @@ def test_packing(tokenizer, jsonl):
 
 
 @pytest.mark.parametrize("use_stream", [False, True])
-def test_rank_split(tokenizer, jsonl, streaming_dataset, use_stream):
+def test_rank_split_is_a_slice_of_the_global_batch(tokenizer, jsonl, streaming_dataset, use_stream):
     name, path = (streaming_dataset, None) if use_stream else ("titan_corpus", str(jsonl))
-    world = 3
-    seen = []
-    for rank in range(world):
-        ds = HuggingFaceDataset(name, path, tokenizer, seq_len=4, dp_rank=rank, dp_world_size=world)
-        seen.append([row["text"] for row in ds._data])
-    assert all(seen)
-    assert sorted(itertools.chain(*seen)) == sorted(DOCS)  # disjoint, and the union is all
+    world, local = 3, 2
+    one_rank = build_hf_dataloader(1, 0, tokenizer, _job_config(path, dataset=name, batch=world * local, seq_len=4))
+    global_batches = [x["input"] for x, _ in _take(one_rank, 4)]
+    per_rank = [
+        [x["input"] for x, _ in _take(build_hf_dataloader(
+            world, r, tokenizer, _job_config(path, dataset=name, batch=local, seq_len=4)), 4)]
+        for r in range(world)
+    ]
+    for step, full in enumerate(global_batches):
+        # disjoint slices whose concatenation is the global batch a single rank sees
+        assert torch.equal(torch.cat([per_rank[r][step] for r in range(world)]), full)
 
 
 def test_dataloader_batches(tokenizer, jsonl):
@@ -107,7 +112,7 @@ def test_resume_equals_uninterrupted(tokenizer, jsonl, streaming_dataset, k, use
     interrupted = make()
     _take(interrupted, k)
     state = interrupted.state_dict()
-    assert set(state) == {"dp_rank_1"}
+    assert set(state) == {"dataset"}
     resumed = make()
     resumed.load_state_dict(state)
     for (x_ref, y_ref), (x, y) in zip(reference[k:], _take(resumed, m), strict=True):
@@ -115,12 +120,22 @@ def test_resume_equals_uninterrupted(tokenizer, jsonl, streaming_dataset, k, use
     assert resumed.dataset._epoch >= 1
 
 
-def test_resume_rejects_other_world_size(tokenizer, jsonl):
-    saved = build_hf_dataloader(1, 0, tokenizer, _job_config(str(jsonl))).state_dict()
+def test_state_is_rank_independent_and_resumes_under_another_dp_degree(tokenizer, jsonl):
+    path = str(jsonl)
+    states = []
     for rank in (0, 1):
-        loader = build_hf_dataloader(2, rank, tokenizer, _job_config(str(jsonl)))
-        with pytest.raises(ValueError, match="world size changed"):
-            loader.load_state_dict(saved)
+        loader = build_hf_dataloader(2, rank, tokenizer, _job_config(path, batch=2))
+        _take(loader, 3)
+        states.append(loader.state_dict())
+    assert states[0] == states[1]
+    # continue on one rank with the same global batch (4): the next global batches match
+    reference = build_hf_dataloader(1, 0, tokenizer, _job_config(path, batch=4))
+    expected = [x["input"] for x, _ in _take(reference, 5)][3:]
+    resumed = build_hf_dataloader(1, 0, tokenizer, _job_config(path, batch=4))
+    resumed.load_state_dict(states[0])
+    got = [x["input"] for x, _ in _take(resumed, 2)]
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
 
 
 @pytest.mark.parametrize("layout", ["jsonl", "json_list", "txt", "parquet", "folder"])
@@ -166,6 +181,7 @@ def test_missing_dataset_path(tmp_path, tokenizer):
     missing = tmp_path / "absent.jsonl"
     with pytest.raises(AssetError) as info:
         HuggingFaceDataset("titan_corpus", str(missing), tokenizer)
+    assert isinstance(info.value, UserInputError)  # reported as one line, no traceback
     assert str(missing) in str(info.value) and "--training.dataset_path" in str(info.value)
 
 

@@ -138,6 +138,8 @@ class PlacementSolver:
         self.est = est
         self.mesh_shape = table.mesh_shape
         self._compute: dict[tuple[fx.Node, int], float] = {}
+        # (consumer node, input index) edges on which no redistribution may happen
+        self.no_comm_edges: set = set()
 
     # ------------------------------------------------------------------
     def compute_cost(self, node: fx.Node, s: int) -> float:
@@ -203,8 +205,11 @@ class PlacementSolver:
             prod = producer_groups(src)
             rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
             rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+            frozen = key in self.no_comm_edges
             for o in prod:
                 for r in cons_groups:
+                    if frozen and o != r:
+                        continue
                     c = est.comm_us(o, r, tuple(val.shape), val.element_size())
                     if c == INF:
                         continue

@@ -1,9 +1,11 @@
 """Errors shared by the trainer's components."""
 
+from torchtitan.errors import UserInputError
 
-class AssetError(ValueError):
+
+class AssetError(UserInputError):
     """A required asset (tokenizer, dataset) is missing or unreachable.
 
-    The message names what was looked for and how to fix it, so it can be shown to the
-    user as-is instead of a traceback from deep inside a third-party library.
+    The message is one line naming what was looked for and how to fix it; as a
+    ``UserInputError`` (a ``ValueError``) the entry points print it instead of a traceback.
     """

@@ -1,4 +1,4 @@
-"""Text datasets for pre-training: loading, per-rank splitting, tokenizing and packing.
+"""Text datasets for pre-training: loading, tokenizing, packing and per-rank splitting.
 
 Named datasets live in ``DATASETS``. ``titan_corpus`` (the default) ships with the repo
 in ``tests/assets/titan_corpus`` and needs no network; ``c4`` and ``c4_validation``
@@ -15,6 +15,7 @@ stream from the Hugging Face Hub and fail with an ``AssetError`` when it is unre
 A folder means every such file below it (hidden ones excluded), in sorted path order.
 """
 
+import itertools
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchtitan.components.errors import AssetError
+from torchtitan.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -190,15 +192,21 @@ def resolve_dataset(dataset_name: str, dataset_path: str | None) -> tuple[str, D
 class HuggingFaceDataset(IterableDataset, Stateful):
     """Packed ``(input_ids, labels)`` samples of length ``seq_len`` for one data-parallel rank.
 
-    Each rank gets a disjoint, deterministic share of the documents
-    (``datasets.distributed.split_dataset_by_node``). Documents are tokenized with
-    BOS and EOS and appended to a token buffer; every ``seq_len + 1`` buffered tokens
-    ``w`` become one sample ``(w[:-1], w[1:])``, without padding or overlap.
+    Documents are tokenized with BOS and EOS and appended to a token buffer; every
+    ``seq_len + 1`` buffered tokens ``w`` become one window ``(w[:-1], w[1:])``, without
+    padding or overlap.  All ranks read the same window stream and cut it into global
+    batches of ``local_batch_size × dp_world_size`` windows; rank r takes the r-th slice
+    of each.  So the global batch at every step is the same whatever the data-parallel
+    degree — 4 ranks see exactly what 1 rank with a 4× local batch sees, which is what
+    makes losses comparable across meshes and the data position reshardable.  The price:
+    every rank tokenizes the whole stream (cheap next to a training step at the batch
+    sizes here; a per-document split would scale better and lose both properties).
 
-    With ``infinite=True`` the data is re-read from the start whenever it runs out.
-    ``state_dict()`` holds the document position and the leftover token buffer, so a
-    dataset restored with ``load_state_dict()`` yields exactly the samples the
-    original would have yielded next.
+    With ``infinite=True`` the data is re-read from the start whenever it runs out;
+    otherwise iteration ends before an incomplete global batch.  Between global batches
+    ``state_dict()`` (document position and leftover token buffer) is identical on every
+    rank, and a dataset restored with ``load_state_dict()`` yields exactly the samples
+    the original would have yielded next — under any dp degree.
     """
 
     def __init__(
@@ -210,9 +218,9 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         dp_rank: int = 0,
         dp_world_size: int = 1,
         infinite: bool = False,
+        local_batch_size: int = 1,
     ):
         import datasets
-        from datasets.distributed import split_dataset_by_node
 
         path, config = resolve_dataset(dataset_name, dataset_path)
         logger.info("Preparing dataset %s from %s", dataset_name, path)
@@ -220,11 +228,13 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         self.dataset_name = dataset_name
         self.seq_len = seq_len
         self.infinite = infinite
-        self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
+        self._data = data
+        self._dp_rank = dp_rank
+        self._dp_world_size = dp_world_size
+        self._local_batch_size = local_batch_size
         self._map_style = isinstance(self._data, datasets.Dataset)
         self._text_processor = config.text_processor
         self._tokenizer = tokenizer
-        self._location = f"dp rank {dp_rank} of {dp_world_size}"
 
         self._epoch = 0
         self._sample_idx = 0  # documents of this epoch already tokenized (map-style only)
@@ -248,6 +258,19 @@ class HuggingFaceDataset(IterableDataset, Stateful):
             yield x[:-1], x[1:]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        global_batch = self._local_batch_size * self._dp_world_size
+        start = self._dp_rank * self._local_batch_size
+        windows = self._windows()
+        while True:
+            # Read the whole global batch before yielding this rank's share, so that when
+            # the share is consumed the stream position is the same on every rank.
+            batch = list(itertools.islice(windows, global_batch))
+            if len(batch) < global_batch:
+                return
+            yield from batch[start:start + self._local_batch_size]
+
+    def _windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The global stream of packed windows, continuing from the current position."""
         first_pass = True
         while True:
             yield from self._drain()  # a restored buffer may already hold full windows
@@ -258,14 +281,14 @@ class HuggingFaceDataset(IterableDataset, Stateful):
                 documents_read += 1
                 yield from self._drain()
             if not self.infinite:
-                logger.info("Dataset %s (%s) is exhausted", self.dataset_name, self._location)
+                logger.info("Dataset %s is exhausted", self.dataset_name)
                 return
             if documents_read == 0 and not first_pass:
-                raise AssetError(f"dataset '{self.dataset_name}' has no documents for {self._location}")
+                raise AssetError(f"dataset '{self.dataset_name}' has no documents")
             first_pass = False
             self._epoch += 1
             self._sample_idx = 0
-            logger.warning("Dataset %s (%s) is being re-looped", self.dataset_name, self._location)
+            logger.warning("Dataset %s is being re-looped", self.dataset_name)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self._epoch, "token_buffer": list(self._token_buffer)}
@@ -299,40 +322,28 @@ class ParallelAwareDataloader(DataLoader, Stateful):
     """Batches of ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])``.
 
     A plain single-process ``DataLoader``: with ``num_workers=0`` the dataset's state after
-    the k-th batch is exactly "k * batch_size samples consumed", so the dataset's own state
-    is the loader's state. It is stored under ``dp_rank_{r}`` (JSON bytes, one opaque value
-    per rank for distributed checkpointing) together with the data-parallel world size,
-    which is checked on load: data order cannot be resumed on a different dp degree.
+    a batch is the loader's state.  Because every rank reads the same window stream (see
+    ``HuggingFaceDataset``), that state is the same on all ranks after each step and does
+    not depend on the dp degree: a checkpoint's data position loads under any mesh.
+    Stored as JSON bytes (no pickled objects).
     """
 
-    def __init__(self, dataset: HuggingFaceDataset, dp_rank: int, dp_world_size: int, batch_size: int):
+    def __init__(self, dataset: HuggingFaceDataset, batch_size: int):
         super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_collate)
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        self._rank_key = f"dp_rank_{dp_rank}"
 
     def state_dict(self) -> dict[str, bytes]:
-        state = {"dp_world_size": self.dp_world_size, "dataset": self.dataset.state_dict()}
-        return {self._rank_key: json.dumps(state).encode("utf-8")}
+        return {"dataset": json.dumps(self.dataset.state_dict()).encode("utf-8")}
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Restore this rank's position; an empty ``state_dict`` is a no-op (nothing saved)."""
+        """Restore the stream position; an empty ``state_dict`` is a no-op (nothing saved)."""
         if not state_dict:
             return
-        if self._rank_key not in state_dict:
-            raise ValueError(
-                f"dataloader checkpoint has no state for {self._rank_key} (it holds "
-                f"{', '.join(sorted(state_dict))}): the data-parallel world size changed since "
-                f"it was saved (now {self.dp_world_size}); resuming the data order needs the same dp degree"
+        if "dataset" not in state_dict:
+            raise UserInputError(
+                f"dataloader checkpoint has no 'dataset' entry (it holds "
+                f"{', '.join(sorted(state_dict))}); was it written by another trainer version?"
             )
-        state = json.loads(state_dict[self._rank_key])
-        if state["dp_world_size"] != self.dp_world_size:
-            raise ValueError(
-                f"dataloader checkpoint was saved with data-parallel world size {state['dp_world_size']}, "
-                f"now it is {self.dp_world_size}: the dp world size changed; resuming the data order "
-                "needs the same dp degree"
-            )
-        self.dataset.load_state_dict(state["dataset"])
+        self.dataset.load_state_dict(json.loads(state_dict["dataset"]))
 
 
 def build_hf_dataloader(
@@ -351,5 +362,6 @@ def build_hf_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
+        local_batch_size=training.local_batch_size,
     )
-    return ParallelAwareDataloader(dataset, dp_rank, dp_world_size, training.local_batch_size)
+    return ParallelAwareDataloader(dataset, training.local_batch_size)

@@ -1,0 +1,247 @@
+"""`AutoParallel`: the public entry point tying the stages together.
+
+    with AutoParallel(meta_model, input_fn, mesh, mp_policy=None, cost_model="h100") as autop:
+        autop.add_parameter_memory_constraint(high=None)       # default 1/world: FSDP-like
+        autop.add_input_constraints([(Shard(0), Replicate())])
+        autop.add_output_constraints([(Shard(0), Replicate())])
+        plan = autop.optimize_placement()
+        parallel_model = autop.apply_placement(plan)
+
+Entering traces the model and enumerates strategies; `optimize_placement` builds and solves
+the program and returns a `Plan`; `apply_placement` accepts that plan (or one loaded from
+JSON) and returns the parallel module.  Stage timings are logged and stored in `plan.timings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from . import placements as P
+from .apply import GraphRunner, build_parallel_module
+from .cost import CostModel, Estimator, resolve_cost_model
+from .errors import ConstraintError, PlannerError
+from .plan import Plan, graph_fingerprint
+from .solver import PlacementSolver, UserConstraint
+from .strategies import build_strategies, resolve_source
+from .trace import check_on_meta, trace_joint
+
+log = logging.getLogger(__name__)
+
+
+def _mp_dtypes(mp_policy) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) from an FSDP2 MixedPrecisionPolicy-like object."""
+    if mp_policy is None:
+        return None, None
+    param = getattr(mp_policy, "param_dtype", None)
+    reduce = getattr(mp_policy, "reduce_dtype", None)
+    return param, (reduce if reduce is not None else param)
+
+
+class AutoParallel:
+    """Plan and apply a sharding for `model` (built on meta) on `mesh`.
+
+    `input_fn()` returns global-shaped example inputs (a tensor or a tuple of tensors); it is
+    called under a fake tensor mode, so it allocates nothing.  `cost_model` is a `CostModel`
+    or a device name ("cpu", "a100", "h100", "h200").  `grad_reduction="mean"` divides output
+    gradients by the number of batch shards (DDP/FSDP semantics for a per-rank mean loss).
+    """
+
+    def __init__(self, model: nn.Module, input_fn: Callable[[], Any], mesh: DeviceMesh,
+                 mp_policy=None, cost_model: CostModel | str | None = None,
+                 solver_time_limit: float = 300.0, grad_reduction: str = "mean"):
+        if not isinstance(model, nn.Module):
+            raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
+        check_on_meta(model)
+        if not isinstance(mesh, DeviceMesh):
+            raise PlannerError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        self.model = model
+        self.input_fn = input_fn
+        self.mesh = mesh
+        self.param_dtype, self.reduce_dtype = _mp_dtypes(mp_policy)
+        self.cost_model = resolve_cost_model(cost_model)
+        self.time_limit = solver_time_limit
+        self.grad_reduction = grad_reduction
+        self.timings: dict[str, float] = {}
+        self._constraints: list[UserConstraint] = []
+        self._inputs_set = self._outputs_set = False
+        self.tg = None
+        self.table = None
+
+    # ------------------------------------------------------------------
+    def __enter__(self) -> "AutoParallel":
+        t = time.perf_counter()
+        self.tg = trace_joint(self.model, self.input_fn, self.param_dtype)
+        self.timings["trace"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.table = build_strategies(self.tg, self.mesh)
+        self.timings["strategies"] = time.perf_counter() - t
+        log.info("traced %d nodes in %.2fs; strategies in %.2fs (memo %d hits / %d misses)",
+                 len(self.tg.gm.graph.nodes), self.timings["trace"], self.timings["strategies"],
+                 self.table.memo_hits, self.table.memo_misses)
+        self.estimator = Estimator(self.cost_model, tuple(self.mesh.shape))
+        self.solver = PlacementSolver(self.tg, self.table, self.estimator)
+        if self.param_dtype is not None:
+            self.solver.no_comm_edges = self._mp_no_comm_edges()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _require_entered(self) -> None:
+        if self.tg is None:
+            raise PlannerError("use AutoParallel as a context manager ('with AutoParallel(...) as autop')")
+
+    # ------------------------------------------------------------------ constraints
+    def _check_placements(self, what: str, pl: Sequence[Placement]) -> P.Placements:
+        if not isinstance(pl, (list, tuple)) or not all(isinstance(p, Placement) for p in pl):
+            raise ConstraintError(f"{what}: expected a tuple of Placement objects, got {pl!r}")
+        if len(pl) != self.mesh.ndim:
+            raise ConstraintError(
+                f"{what}: {len(pl)} placement(s) {P.fmt(pl)} for a {self.mesh.ndim}-D mesh {tuple(self.mesh.shape)}")
+        for p in pl:
+            if p.is_partial():
+                raise ConstraintError(f"{what}: Partial is not allowed in a pin ({P.fmt(pl)})")
+        return tuple(pl)
+
+    def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> None:
+        """Bound parameter bytes per rank, as a fraction of all parameter bytes.
+
+        `high=None` means 1/world_size (fully sharded where shapes allow); `high=1.0` means no
+        limit (the solver then usually replicates, DDP-like).  Each parameter's share is
+        floored at its smallest achievable fraction, so unshardable tensors don't make it
+        infeasible.
+        """
+        self._require_entered()
+        if high is None:
+            high = 1.0 / self.mesh.size()
+        for name, v in (("low", low), ("high", high)):
+            if v is not None and not (0.0 <= v <= 1.0):
+                raise ConstraintError(f"parameter memory {name}={v} must be in [0, 1]")
+        if low is not None and low > high:
+            raise ConstraintError(f"parameter memory low={low} > high={high}")
+        self._constraints = [c for c in self._constraints if c.kind != "mem"]
+        self._constraints.append(UserConstraint(
+            f"parameter memory budget low={low} high={high:.4g}", "mem", low=low, high=high))
+
+    def add_input_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
+        """One placement tuple per flattened input (None leaves that input free)."""
+        self._require_entered()
+        if len(placements) != len(self.tg.inputs):
+            raise ConstraintError(f"add_input_constraints: {len(placements)} pins for {len(self.tg.inputs)} inputs")
+        for i, pl in enumerate(placements):
+            if pl is None:
+                continue
+            pl = self._check_placements(f"input {i}", pl)
+            self._constraints.append(UserConstraint(f"input {i} pinned to {P.fmt(pl)}", "pin",
+                                                    node=self.tg.inputs[i], placement=pl))
+
+    def add_output_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
+        """One placement tuple per flattened forward output (None leaves it free)."""
+        self._require_entered()
+        if len(placements) != len(self.tg.outputs):
+            raise ConstraintError(f"add_output_constraints: {len(placements)} pins for {len(self.tg.outputs)} outputs")
+        for i, pl in enumerate(placements):
+            if pl is None:
+                continue
+            pl = self._check_placements(f"output {i}", pl)
+            self._constraints.append(UserConstraint(f"output {i} pinned to {P.fmt(pl)}", "pin",
+                                                    sink=i, placement=pl))
+
+    def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
+        """Pin one parameter's placement (e.g. to force a known-good layout)."""
+        self._require_entered()
+        if fqn not in self.tg.params:
+            raise ConstraintError(f"no parameter named '{fqn}'")
+        pl = self._check_placements(f"parameter '{fqn}'", placements)
+        self._constraints.append(UserConstraint(f"parameter '{fqn}' pinned to {P.fmt(pl)}", "pin",
+                                                node=self.tg.params[fqn], placement=pl))
+
+    # ------------------------------------------------------------------ mixed precision
+    def _mp_no_comm_edges(self) -> set:
+        """Edges that must not communicate: param -> its low-precision cast (gather after the
+        cast), and the gradient's high-precision cast input (reduce after the cast)."""
+        edges = set()
+        casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+        for pnode in self.tg.params.values():
+            for user in pnode.users:
+                if user.target in casts and user in self.table.nodes:
+                    edges.add((user, 0))
+        for g in self.tg.grads.values():
+            if g is not None and g.target in casts and g in self.table.nodes:
+                edges.add((g, 0))
+        return edges
+
+    # ------------------------------------------------------------------ solve
+    def optimize_placement(self, verbose: bool = False) -> Plan:
+        self._require_entered()
+        sol = self.solver.solve(self._constraints, self.time_limit, verbose)
+        self.timings["build"] = self.solver.last_build_s
+        self.timings["solve"] = self.solver.last_solve_s
+        plan = self._to_plan(sol)
+        log.info("plan:\n%s", plan.table())
+        return plan
+
+    def _to_plan(self, sol) -> Plan:
+        tg, table = self.tg, self.table
+        pick = lambda node: table.nodes[node].strategies[sol.choice[node]]  # noqa: E731
+        nodes = {}
+        for node, ns in table.nodes.items():
+            if node.op != "call_function":
+                continue
+            st = pick(node)
+            nodes[node.name] = {"op": str(node.target), "ins": [P.fmt(p) for p in st.ins],
+                                "out": [P.fmt(p) for p in st.out]}
+        fwd_comm = bwd_comm = 0.0
+        for key, us in sol.edge_comm.items():
+            node = key[0] if isinstance(key[0], torch.fx.Node) else None
+            if node is not None and node in tg.forward_nodes:
+                fwd_comm += us
+            elif key[0] == "output":
+                fwd_comm += us
+            else:
+                bwd_comm += us
+        total = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in tg.params.values())
+        local = sum(n.meta["val"].numel() * n.meta["val"].element_size() *
+                    P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
+                    for n in tg.params.values())
+        names = list(self.mesh.mesh_dim_names or [f"dim{i}" for i in range(self.mesh.ndim)])
+        return Plan(
+            mesh_shape=list(self.mesh.shape), mesh_dim_names=names,
+            params={f: P.fmt(pick(n).out[0]) for f, n in tg.params.items()},
+            grads={f: P.fmt(pl) for f, pl in sol.grad_placement.items()},
+            buffers={f: P.fmt(pick(n).out[0]) for f, n in tg.buffers.items()},
+            inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
+            outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
+            nodes=nodes,
+            param_shapes={f: list(n.meta["val"].shape) for f, n in tg.params.items()},
+            predicted={"compute_us": sol.compute_us, "comm_us": sol.comm_us,
+                       "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
+                       "param_fraction": (local / total) if total else 1.0},
+            solver={"status": sol.status, "optimal": sol.optimal, "objective": sol.objective,
+                    "num_vars": sol.num_vars, "num_rows": sol.num_rows},
+            timings=dict(self.timings),
+            graph_fingerprint=graph_fingerprint(tg.gm),
+        )
+
+    # ------------------------------------------------------------------ apply
+    def apply_placement(self, plan: Plan | None = None) -> nn.Module:
+        self._require_entered()
+        if plan is None:
+            plan = self.optimize_placement()
+        if not isinstance(plan, Plan):
+            raise PlannerError(f"apply_placement expects a Plan, got {type(plan).__name__}")
+        t = time.perf_counter()
+        runner = GraphRunner(self.tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction)
+        pm = build_parallel_module(self.model, self.tg, plan, self.mesh, runner)
+        self.timings["apply"] = time.perf_counter() - t
+        plan.timings["apply"] = self.timings["apply"]
+        log.info("apply in %.2fs", self.timings["apply"])
+        return pm

@@ -1,0 +1,93 @@
+"""A plan is data: what the solver chose, in a readable and serialisable form.
+
+`Plan.params[fqn]` is the parameter's placement (text form, one entry per mesh dim, e.g.
+`"S(0),R"`); `Plan.nodes[name]` holds, for every forward/backward graph node, the placements
+its tensor inputs are redistributed to and its output placements.  `apply_placement` needs only
+this (plus the traced graph, which is checked against `graph_fingerprint`), so a plan saved
+with `save()` can be loaded with `Plan.load()` and applied later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch.fx as fx
+
+from .errors import PlannerError
+
+
+@dataclass
+class Plan:
+    mesh_shape: list[int]
+    mesh_dim_names: list[str]
+    params: dict[str, str]
+    grads: dict[str, str]
+    buffers: dict[str, str]
+    inputs: list[str]
+    outputs: list[str]
+    nodes: dict[str, dict]  # name -> {"op": str, "ins": [str], "out": [str]}
+    param_shapes: dict[str, list[int]] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)  # compute_us, comm_us, ...
+    solver: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    graph_fingerprint: str = ""
+    version: int = 1
+
+    # ---------------- serialisation ----------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise PlannerError(f"not a plan: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    # ---------------- display ----------------
+    def table(self) -> str:
+        names = self.mesh_dim_names
+        head = ["parameter", "shape"] + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)]
+        rows = [head]
+        for fqn, pl in self.params.items():
+            parts = pl.split(",")
+            rows.append([fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))] + parts)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        p = self.predicted
+        lines.append("")
+        lines.append(f"inputs: {self.inputs}   outputs: {self.outputs}")
+        lines.append(
+            f"predicted step: compute {p.get('compute_us', 0) / 1e3:.3f} ms, "
+            f"communication {p.get('comm_us', 0) / 1e3:.3f} ms "
+            f"(forward {p.get('fwd_comm_us', 0) / 1e3:.3f} ms, backward {p.get('bwd_comm_us', 0) / 1e3:.3f} ms); "
+            f"parameter memory per rank {p.get('param_fraction', 1.0):.4f} of full")
+        if self.solver:
+            s = self.solver
+            lines.append(f"solver: {s.get('status')} optimal={s.get('optimal')} "
+                         f"vars={s.get('num_vars')} rows={s.get('num_rows')}")
+        if self.timings:
+            lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    h = hashlib.sha1()
+    for n in gm.graph.nodes:
+        h.update(f"{n.name}:{n.op}:{n.target}".encode())
+    return h.hexdigest()[:16]
