@@ -10,6 +10,7 @@ Run with `python -m torchtitan.train --job.config_file ...` under torchrun
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -20,12 +21,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.sharded_init import exact_sharded_init
 from torchtitan.errors import UserInputError
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import init_logger, logger
@@ -107,6 +111,10 @@ class Trainer:
             self.parallel_dims.non_data_parallel_size, self.rank,
         )
         self.step = 0
+        self.checkpointer = CheckpointManager(
+            dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers, states={"train_state": self}, job_config=job_config,
+        )
         self.losses: list[float] = []
         self.gc_freq = training.gc_freq
         gc.disable()  # collected every gc_freq steps on all ranks at once, no stragglers
@@ -116,6 +124,13 @@ class Trainer:
             f"seq_len {training.seq_len}"
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own checkpointed state (plain values only)."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
     def batches(self):
         """Endless (inputs, labels) on the training device, counting tokens."""
         while True:
@@ -123,13 +138,22 @@ class Trainer:
                 self.metrics.count_tokens(labels.numel())
                 yield inputs["input"].to(self.device), labels.to(self.device)
 
+    def train_context(self):
+        """Vocabulary-parallel cross-entropy when the logits come out split along the vocab."""
+        if self.parallel_dims.loss_parallel_enabled:
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     def train_step(self, data_iter) -> tuple[float, float, float]:
         self.optimizers.zero_grad()
         step_loss = torch.zeros((), device=self.device)
         for _ in range(self.grad_accumulation_steps):
             tokens, labels = next(data_iter)
-            loss = self.loss_fn(self.model(tokens), labels) / self.grad_accumulation_steps
-            loss.backward()
+            with self.train_context():
+                loss = self.loss_fn(self.model(tokens), labels) / self.grad_accumulation_steps
+                loss.backward()
+            if isinstance(loss, DTensor):  # loss parallel: a replicated scalar
+                loss = loss.full_tensor()
             step_loss += loss.detach()
         grad_norm = dist_utils.clip_grad_norm_(
             self.model.parameters(), self.job_config.training.max_norm
@@ -142,6 +166,7 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.job_config
+        self.checkpointer.load(step=cfg.checkpoint.load_step)
         data_iter = self.batches()
         while self.step < cfg.training.steps:
             self.step += 1
@@ -152,9 +177,14 @@ class Trainer:
             self.losses.append(loss)
             if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self.metrics.log(self.step, loss, max_loss, grad_norm, lr)
+            self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+            if self.step == cfg.training.stop_at_step:
+                logger.info(f"stopping after step {self.step} (--training.stop_at_step)")
+                break
         logger.info("training completed")
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 

@@ -17,4 +17,7 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def build_cross_entropy_loss(job_config: Any):
+    compile_config = job_config.compile
+    if compile_config.enable and "loss" in compile_config.components:
+        return torch.compile(cross_entropy_loss)
     return cross_entropy_loss

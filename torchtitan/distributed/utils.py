@@ -91,3 +91,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
             for g in grads:
                 g.mul_(clip_coef)
     return total_norm
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_param_dtype(name: str) -> torch.dtype:
+    """`training.mixed_precision_param`, with "auto" = bf16 on GPUs and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type() == "cuda" else torch.float32
+    return TORCH_DTYPES[name]

@@ -1,7 +1,8 @@
-"""Hand-written parallelism for Llama 3 (the baseline the auto-parallel planner is judged by).
+"""Hand-written parallelism for Llama 3 — the baseline the auto-parallel planner is judged by.
 
-Order matters and is fixed: tensor parallelism → activation checkpointing → per-block
-compile → FSDP/HSDP (or DDP).  Each step is a small function below.
+The order is fixed and matters: tensor parallelism → activation checkpointing → per-block
+compile → FSDP/HSDP or DDP.  (AC wraps the TP-sharded block; compile sees the wrapped block;
+FSDP hooks go outermost so parameter gathers are not recompiled or recomputed.)
 """
 
 from __future__ import annotations
@@ -10,36 +11,101 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    parallelize_module,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import device_type
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def param_dtype(training_config: Any) -> torch.dtype:
-    """`mixed_precision_param`, with "auto" = bf16 on GPUs and fp32 on CPU."""
-    name = training_config.mixed_precision_param
-    if name == "auto":
-        return torch.bfloat16 if device_type() == "cuda" else torch.float32
-    return TORCH_DTYPES[name]
+from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
+from torchtitan.errors import UserInputError
+from torchtitan.tools.logging import logger
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    training = job_config.training
     if parallel_dims.tp_enabled:
-        raise NotImplementedError("tensor parallelism for llama3 lands with the manual baseline")
-    if parallel_dims.dp_enabled:
+        if training.seq_len % parallel_dims.tp:
+            raise UserInputError(
+                f"--training.seq_len {training.seq_len} is not divisible by "
+                f"--parallelism.tensor_parallel_degree {parallel_dims.tp} (sequence parallelism "
+                "splits the sequence across TP ranks)"
+            )
+        apply_tp(model, parallel_dims.world_mesh["tp"], parallel_dims.loss_parallel_enabled)
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+        logger.info("compiled each transformer block with torch.compile")
+
+    if parallel_dims.dp_shard_enabled:
         apply_fsdp(
             model,
             parallel_dims,
             MixedPrecisionPolicy(
-                param_dtype=param_dtype(job_config.training),
-                reduce_dtype=TORCH_DTYPES[job_config.training.mixed_precision_reduce],
+                param_dtype=resolve_param_dtype(training.mixed_precision_param),
+                reduce_dtype=TORCH_DTYPES[training.mixed_precision_reduce],
             ),
             job_config.parallelism.fsdp_reshard_after_forward,
         )
+    elif parallel_dims.dp_replicate_enabled:
+        if parallel_dims.tp_enabled:
+            raise UserInputError(
+                "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) "
+                "cannot be combined with tensor parallelism; use HSDP "
+                "(data_parallel_shard_degree > 1) instead"
+            )
+        replicate(model, device_mesh=parallel_dims.world_mesh["dp_replicate"],
+                  bucket_cap_mb=100)
+        logger.info("applied DDP to the model")
     return model
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism, as torchtitan plans it.
+
+    Between blocks the residual stream is split along the sequence (Shard(1)); norms run
+    on their sequence shard; attention/FFN inputs are gathered, the column-parallel
+    projections (wq/wk/wv/w1/w3) split heads/hidden units, and the row-parallel ones
+    (wo/w2) reduce-scatter back to sequence shards.  With loss parallelism the logits
+    stay split along the vocabulary into the cross-entropy.
+    """
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    logger.info(f"applied tensor + sequence parallelism (loss parallel: {loss_parallel})")
 
 
 def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, mp_policy: MixedPrecisionPolicy,
@@ -61,3 +127,5 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, mp_policy: MixedPr
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward_policy == "always")
+    kind = "HSDP" if len(names) > 1 else "FSDP"
+    logger.info(f"applied {kind} (param dtype {mp_policy.param_dtype}, reduce {mp_policy.reduce_dtype})")
