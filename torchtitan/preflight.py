@@ -20,7 +20,10 @@ from torchtitan.protocols.train_spec import get_train_spec
 def check(job_config, world_size: int) -> None:
     from torchtitan.train import grad_accumulation_steps, resolve_model_args
 
+    from torchtitan.distributed.inductor_comms import inductor_settings
+
     dims = ParallelDims.from_config(job_config.parallelism, world_size)
+    inductor_settings(job_config.compile)
     spec = get_train_spec(job_config.model.name)
     tokenizer = spec.build_tokenizer_fn(job_config)
     resolve_model_args(spec, job_config, tokenizer)

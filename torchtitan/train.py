@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
 from torchtitan.distributed.sharded_init import exact_sharded_init
 from torchtitan.errors import UserInputError
 from torchtitan.components.checkpoint import CheckpointManager
@@ -96,6 +97,7 @@ class Trainer:
             f"mesh {self.parallel_dims.world_mesh}"
         )
 
+        apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
         model = spec.parallelize_fn(model, self.parallel_dims, job_config)
         model.to_empty(device=self.device)
         with torch.no_grad(), exact_sharded_init():

@@ -131,6 +131,10 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower; for debugging and bit-exact comparisons)."""
 
+    stop_at_step: int = -1
+    """Exit cleanly after this step (and its checkpoint save), as if the job had been
+    interrupted there; for tests and pre-emption drills. -1 runs all `steps`."""
+
 
 @dataclass
 class Parallelism:
@@ -211,6 +215,33 @@ class Compile:
 
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
     """What to compile, comma-separated on the command line: model (per block), loss."""
+
+    # Inductor communication passes.  Applied in one place before anything is compiled
+    # (torchtitan.distributed.inductor_comms) and checked against the installed torch.
+    # The defaults leave inductor exactly as it is.
+
+    bucket_all_gathers_fx: str = "none"
+    """Merge all-gathers in compiled graphs into fewer, larger ones: none, all, or only_fsdp
+    (only parameter all-gathers) — the values inductor's `bucket_all_gathers_fx` accepts."""
+
+    bucket_reduce_scatters_fx: str = "none"
+    """Merge reduce-scatters in compiled graphs: none or all (inductor's `bucket_reduce_scatters_fx`)."""
+
+    reorder_for_compute_comm_overlap: bool = False
+    """Let inductor move collectives and their waits to overlap communication with compute."""
+
+    reorder_for_compute_comm_overlap_passes: list[str] = field(default_factory=list)
+    """Scheduler passes run when reordering, in order, e.g.
+    reorder_communication_preserving_peak_memory,sink_waits_iterative (names from
+    torch._inductor.comms: sink_waits, sink_waits_iterative, raise_comms,
+    reorder_compute_for_overlap, reorder_communication_preserving_peak_memory)."""
+
+    reorder_prefetch_limit: int | None = None
+    """How many collectives ahead the reordering may issue (None: inductor's default)."""
+
+    force_disable_caches: bool = False
+    """Make inductor recompile and re-run its passes every time (no FX-graph or kernel cache);
+    use when experimenting with the passes above, since a cached graph skips them."""
 
 
 @dataclass
