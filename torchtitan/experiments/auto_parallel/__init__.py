@@ -1,0 +1,12 @@
+"""`llama3_auto_parallel`: the llama3 spec with the planner as its `parallelize_fn`.
+
+Same model class, flavors, tokenizer, data, optimizer, LR schedule and loss as `llama3`;
+only the parallelisation differs — and the trainer cannot tell.
+"""
+
+from torchtitan.experiments.auto_parallel.parallelize_llama import parallelize_llama_auto
+from torchtitan.models.llama3 import get_train_spec as _llama3_spec
+
+
+def get_train_spec():
+    return _llama3_spec(name="llama3_auto_parallel", parallelize_fn=parallelize_llama_auto)

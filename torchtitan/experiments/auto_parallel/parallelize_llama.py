@@ -1,0 +1,137 @@
+"""Hand the meta-device model and the job's mesh to the planner; return its parallel module.
+
+Mesh: the trainer's mesh as is — any of `dp_replicate`, `dp_shard`, `tp` with size > 1 —
+so the parallelism degrees directly shape the planner's search space.  Every data-parallel
+dim carries the batch (`Shard(0)` on inputs and outputs), `tp` sees the whole batch
+(`Replicate`), and with loss parallelism the logits leave split along the vocabulary
+(`Shard(2)` on `tp`).  A replicate dim is just another batch dim to the planner: it may
+replicate parameters there (HSDP/DDP-like) or shard them, whichever the cost model prefers
+under the memory budget.
+
+Planning happens once, on rank 0, and the plan is broadcast (a time-limited solve could
+differ between ranks).  It is cached as JSON under `{dump_folder}/plans/`, keyed by the
+traced graph, mesh, constraints and precision, and reused on restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torchtitan.autoparallel import AutoParallel, Plan
+from torchtitan.autoparallel.plan import graph_fingerprint
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import device_type, resolve_param_dtype, TORCH_DTYPES
+from torchtitan.tools.logging import logger
+
+
+def _batch_placements(mesh_dim_names: tuple[str, ...], tp_placement) -> list:
+    return [tp_placement if name == "tp" else Shard(0) for name in mesh_dim_names]
+
+
+def _cost_model_name() -> str:
+    if device_type() != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
+
+
+def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    training = job_config.training
+    mesh = parallel_dims.world_mesh
+    names = tuple(mesh.mesh_dim_names)
+    loss_parallel = parallel_dims.loss_parallel_enabled
+    global_batch = training.local_batch_size * parallel_dims.dp_degree
+    vocab_size = model.tok_embeddings.num_embeddings
+
+    def input_fn():
+        return torch.randint(0, vocab_size, (global_batch, training.seq_len), dtype=torch.long)
+
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=resolve_param_dtype(training.mixed_precision_param),
+        reduce_dtype=TORCH_DTYPES[training.mixed_precision_reduce],
+    )
+    inputs = _batch_placements(names, Replicate())
+    outputs = _batch_placements(names, Shard(2) if loss_parallel else Replicate())
+
+    start = time.perf_counter()
+    with AutoParallel(model, input_fn, mesh, mp_policy=mp_policy,
+                      cost_model=_cost_model_name()) as autop:
+        autop.add_parameter_memory_constraint(low=None, high=None)
+        autop.add_input_constraints([inputs])
+        autop.add_output_constraints([outputs])
+        key = _plan_key(autop, names, inputs, outputs, mp_policy)
+        plan = _plan_on_rank0(autop, Path(job_config.job.dump_folder) / "plans" / f"{key}.json")
+        parallel_model = autop.apply_placement(plan)
+    logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}")
+
+    if loss_parallel:
+        tp_mesh = mesh["tp"]
+
+        def vocab_sharded_logits(module, args, output):
+            # The trainer's loss_parallel() context computes cross-entropy on this DTensor.
+            return DTensor.from_local(output, tp_mesh, [Shard(2)], run_check=False)
+
+        parallel_model.register_forward_hook(vocab_sharded_logits)
+    return parallel_model
+
+
+def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
+    blob = json.dumps({
+        "graph": graph_fingerprint(autop.tg.gm),
+        "mesh": [list(autop.mesh.shape), list(names)],
+        "inputs": [str(p) for p in inputs], "outputs": [str(p) for p in outputs],
+        "precision": [str(mp_policy.param_dtype), str(mp_policy.reduce_dtype)],
+        "cost_model": repr(autop.cost_model),
+        "torch": torch.__version__,
+    }, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def _plan_on_rank0(autop: AutoParallel, cache: Path) -> Plan:
+    """Rank 0 loads the cached plan or solves; every rank gets the same plan."""
+    text = [None]
+    if dist.get_rank() == 0:
+        if cache.exists():
+            logger.info(f"reusing cached plan {cache}")
+            text[0] = cache.read_text()
+        else:
+            plan = autop.optimize_placement()
+            text[0] = plan.to_json()
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(text[0])
+            tmp.rename(cache)  # never leave a half-written plan behind
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(text, src=0)
+    return Plan.from_json(text[0])
+
+
+def summarize(plan: Plan) -> str:
+    """One line per distinct (parameter pattern, placement): repeated layers collapse."""
+    groups: dict[tuple[str, str], int] = {}
+    for fqn, placement in plan.params.items():
+        pattern = re.sub(r"\.\d+\.", ".*.", fqn)
+        groups[(pattern, placement)] = groups.get((pattern, placement), 0) + 1
+    width = max((len(p) for p, _ in groups), default=0)
+    dims = ",".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+    lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
+    lines += [f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
+              for (p, pl), n in groups.items()]
+    pred = plan.predicted
+    lines.append(
+        f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "
+        f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
+        f"{pred.get('param_fraction', 1.0):.3f} of full"
+    )
+    return "\n".join(lines)
