@@ -1,0 +1,85 @@
+"""Measure training configurations side by side on this machine: tokens/s and peak memory.
+
+Each configuration runs as a real torchrun job (the debug Llama 3 on CPU ranks) through
+`torchtitan.tools.loss_compare.run_training`.  Configurations are interleaved over several
+rounds (A B C, A B C, ...) so that machine noise hits all of them alike; a configuration's
+figure is the median over rounds of its median steady-state step (step 1 and compile
+warm-up excluded).  Memory is rank 0's peak RSS (CPU) or device peak (GPU) as the trainer
+logs it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchtitan.tools.loss_compare import run_training
+from torchtitan.tools.tensorboard_io import read_scalars
+
+COMMON = [
+    "--training.seed", "42",
+    "--metrics.enable_tensorboard",
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+]
+
+
+@dataclass
+class Config:
+    name: str
+    args: list[str]
+    nproc: int = 4
+
+
+@dataclass
+class Result:
+    config: Config
+    tps: list[float] = field(default_factory=list)
+    peak_gib: list[float] = field(default_factory=list)
+    final_loss: float = float("nan")
+    wall_s: list[float] = field(default_factory=list)
+
+    @property
+    def median_tps(self) -> float:
+        return statistics.median(self.tps) if self.tps else float("nan")
+
+    @property
+    def max_peak_gib(self) -> float:
+        return max(self.peak_gib) if self.peak_gib else float("nan")
+
+
+def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
+            extra_args: list[str] = ()) -> list[Result]:
+    results = [Result(c) for c in configs]
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for r in range(rounds):
+            for i, result in enumerate(results):
+                c = result.config
+                folder = Path(tmp) / f"{i}-{r}"
+                t0 = time.perf_counter()
+                run = run_training(c.nproc, [*COMMON, "--training.steps", str(steps),
+                                             *extra_args, *c.args], folder)
+                result.wall_s.append(time.perf_counter() - t0)
+                run.check()
+                tb = folder / "tb"
+                tps = read_scalars(tb, "throughput(tps)")
+                steady = [v for s, v in tps.items() if s > skip_steps]
+                result.tps.append(statistics.median(steady))
+                result.peak_gib.append(max(read_scalars(tb, "memory/peak_GiB").values()))
+                result.final_loss = run.losses()[steps]
+                print(f"round {r + 1}/{rounds} {c.name}: tps {result.tps[-1]:.0f}, "
+                      f"peak {result.peak_gib[-1]:.2f} GiB, wall {result.wall_s[-1]:.0f}s",
+                      flush=True)
+    return results
+
+
+def markdown_table(results: list[Result], columns: list[str] | None = None) -> str:
+    lines = ["| config | tps (median) | peak memory GiB | loss at last step | wall s (median) |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
+                     f"{r.final_loss:.4f} | {statistics.median(r.wall_s):.0f} |")
+    return "\n".join(lines)
