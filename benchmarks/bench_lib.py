@@ -83,3 +83,11 @@ def markdown_table(results: list[Result], columns: list[str] | None = None) -> s
         lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
                      f"{r.final_loss:.4f} | {statistics.median(r.wall_s):.0f} |")
     return "\n".join(lines)
+
+
+def write_table(markdown_file: Path, table: str) -> None:
+    """Replace what stands between `<!-- table -->` and `<!-- /table -->` in the file."""
+    text = markdown_file.read_text()
+    start, end = "<!-- table -->", "<!-- /table -->"
+    head = text[: text.index(start) + len(start)]
+    markdown_file.write_text(head + "\n" + table + "\n" + text[text.index(end):])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib import Config, markdown_table, measure  # noqa: E402
+from bench_lib import Config, markdown_table, measure, write_table  # noqa: E402
 
 DP4 = ["--training.local_batch_size", "2"]
 CONFIGS = [
@@ -37,11 +37,7 @@ def main() -> None:
     results = measure(CONFIGS, args.steps, args.rounds)
     table = markdown_table(results)
     print(table)
-    out = Path(__file__).with_suffix(".md")
-    text = out.read_text()
-    start, end = "<!-- table -->", "<!-- /table -->"
-    out.write_text(text[: text.index(start) + len(start)] + "\n" + table + "\n" + text[text.index(end):])
-
+    write_table(Path(__file__).with_suffix(".md"), table)
 
 if __name__ == "__main__":
     main()
