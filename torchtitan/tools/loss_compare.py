@@ -69,36 +69,75 @@ class Run:
 
 def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
                  config_file: str | Path = DEBUG_TOML, timeout: float = 1800,
-                 env: dict[str, str] | None = None) -> Run:
+                 env: dict[str, str] | None = None,
+                 inductor_cache: str | Path | None = None) -> Run:
     """Run `python -m torchtitan.train` on `nproc` ranks with `config_file` + `args`.
 
     The options are passed exactly as given (no seed or metrics options are added). Each
     rank gets one OpenMP thread, so results do not depend on the machine's core count;
     `env` entries override the inherited environment. The combined output of all ranks
     is returned and also saved as `{dump_folder}/train.log`.
+
+    `inductor_cache` keeps torch.compile's cache between launches, one folder per rank
+    (`{inductor_cache}/rank{r}`): compiled graphs name their process groups, the names
+    differ between ranks, and a graph cached by another rank calls a wrong group.
     """
-    dump_folder = Path(dump_folder)
+    dump_folder = Path(dump_folder).resolve()  # the ranks run in the repo root
     dump_folder.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
     full_env["OMP_NUM_THREADS"] = "1"
     full_env.setdefault("HF_DATASETS_OFFLINE", "1")
     full_env.setdefault("HF_HUB_OFFLINE", "1")
     full_env.update(env or {})
+    trainer = ["-m", "torchtitan.train"]
+    if inductor_cache is not None:
+        trainer = ["--no-python", "sh", "-c", 'TORCHINDUCTOR_CACHE_DIR="$0/rank$RANK" exec "$@"',
+                   str(Path(inductor_cache).resolve()), sys.executable, "-u", *trainer]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "torchtitan.train",
-        "--job.config_file", str(config_file), "--job.dump_folder", str(dump_folder),
+        f"--nproc_per_node={nproc}", *trainer,
+        "--job.config_file", str(Path(config_file).resolve()),
+        "--job.dump_folder", str(dump_folder),
         *args,
     ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        code, output = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        code, output = 124, partial + f"\n[loss_compare] timed out after {timeout:.0f} s\n"
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        output = _stop(proc) + f"\n[loss_compare] timed out after {timeout:.0f} s\n"
+        code = 124
+    except BaseException:
+        _stop(proc)
+        raise
     (dump_folder / LOG_NAME).write_text(output)
     return Run(code, output, dump_folder)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """End a torchrun launch and return its remaining output. SIGTERM lets torchrun stop
+    its ranks (they live in their own sessions); SIGKILL only if it does not exit."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=60)[0] or ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] or ""
+
+
+def preflight(nproc: int, args: list[str], config_file: str | Path = DEBUG_TOML) -> str | None:
+    """Check a configuration without starting ranks (`torchtitan.preflight`): the trainer's
+    one-line complaint about it, or None when it is fine."""
+    cmd = [sys.executable, "-m", "torchtitan.preflight", "--world-size", str(nproc),
+           "--job.config_file", str(Path(config_file).resolve()), *args]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stdout.strip().splitlines() or [f"preflight failed (rc {proc.returncode})"]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    return (errors[-1] if errors else lines[-1]).removeprefix("error: ")
 
 
 def read_tb_losses(tb_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
@@ -111,7 +150,8 @@ def read_tb_losses(tb_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
     losses = read_scalars(tb_dir, tag)
     if not losses:
         raise LossCompareError(
-            f"{tb_dir}: no {tag!r} scalars (was the run started with --metrics.enable_tensorboard?)")
+            f"{tb_dir}: no {tag!r} scalars "
+            "(was the run started with --metrics.enable_tensorboard?)")
     return losses
 
 
