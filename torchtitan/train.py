@@ -61,6 +61,28 @@ def resolve_model_args(spec: Any, job_config: JobConfig, tokenizer: Any) -> Any:
     return model_args
 
 
+def _use_rank_inductor_cache(rank: int) -> None:
+    """Give this rank its own inductor cache folder: `<cache dir>/rank<rank>`.
+
+    A compiled graph hard-codes the names of the process groups it calls, and those
+    names differ between ranks, so a graph that one rank cached and another loads from a
+    shared folder fails on a warm run ("Could not resolve the process group registered
+    under the name 4").  `<cache dir>` is `$TORCHINDUCTOR_CACHE_DIR`, or inductor's
+    default folder when that is unset (all ranks of a machine share it too).  A path
+    that already ends in `rank<rank>` (a launcher that splits the cache itself) is kept.
+    Must run before anything is compiled: inductor reads the variable when it first
+    touches its cache.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    leaf = f"rank{rank}"
+    if os.path.basename(os.path.normpath(cache)) != leaf:
+        cache = os.path.join(cache, leaf)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    logger.info(f"inductor cache: {cache}")
+
+
 class Trainer:
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
@@ -71,6 +93,8 @@ class Trainer:
 
         world_size = dist_utils.init_distributed(job_config.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
+        if job_config.compile.enable:
+            _use_rank_inductor_cache(self.rank)  # before anything is compiled
         self.device = torch.device(dist_utils.device_type())
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -55,8 +55,7 @@ CONFIGS = [
     pytest.param(dp, [*opts, *AC_VARIANTS[AC_OF_MESH[name]]], id=f"{name}-ac_{AC_OF_MESH[name]}")
     for name, (dp, opts) in MESHES.items()
 ] + [
-    pytest.param(4, [*MESHES["fsdp4"][1], AC, "none", "--compile.enable"],
-                 id="fsdp4-compile"),
+    pytest.param(2, [*MESHES["fsdp2_tp2"][1], AC, "none", "--compile.enable"], id="fsdp2_tp2-compile"),
 ]
 
 

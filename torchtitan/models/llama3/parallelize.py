@@ -69,6 +69,38 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     return model
 
 
+def _redistribute_output_sync(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """Output hook of the two styles below: like torch's, but the redistribute waits.
+
+    torch's Colwise/RowwiseParallel redistribute their output with `async_op=True`, so
+    `.to_local()` hands out an `AsyncCollectiveTensor` (ACT).  When that ACT is the input
+    of a `torch.compile`d region, torch 2.13 drops its gradient: AOTAutograd replaces
+    ACT inputs by `act.trigger_wait()` (torch/_functorch/_aot_autograd/frontend_utils.py),
+    which returns the inner tensor without `requires_grad`, so the compiled backward
+    returns None for that input.  Here that input is the embedding output entering the
+    first compiled block (and, without loss parallelism, the logits entering a compiled
+    loss): the embedding silently gets no gradient (FSDP) or the eager redistribute's
+    backward crashes on a plain zero gradient (TP only: "'Tensor' object has no
+    attribute '_local_tensor'").  A synchronous redistribute returns a plain tensor; the
+    numerics are identical and the lost overlap is one wait the next op needs anyway.
+    """
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+    return outputs.to_local() if use_local_output else outputs
+
+
+class _SyncOutputRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose output redistribute is synchronous (see above)."""
+
+    _prepare_output_fn = staticmethod(_redistribute_output_sync)
+
+
+class _SyncOutputColwiseParallel(ColwiseParallel):
+    """ColwiseParallel whose output redistribute is synchronous (see above)."""
+
+    _prepare_output_fn = staticmethod(_redistribute_output_sync)
+
+
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallelism, as torchtitan plans it.
 
@@ -77,11 +109,18 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     projections (wq/wk/wv/w1/w3) split heads/hidden units, and the row-parallel ones
     (wo/w2) reduce-scatter back to sequence shards.  With loss parallelism the logits
     stay split along the vocabulary into the cross-entropy.
+
+    The embedding and the output projection hand their results to code that may be
+    compiled (the first block, the loss), so their output redistributes are synchronous:
+    see `_redistribute_output_sync`.  Inside the blocks the async ones are fine (the
+    compiled graph traces them).
     """
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": _SyncOutputRowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1)
+        ),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(
+        "output": _SyncOutputColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
