@@ -16,24 +16,31 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement
 
 from . import placements as P
 from .apply import GraphRunner, build_parallel_module
+from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
 from .plan import Plan, graph_fingerprint
-from .solver import PlacementSolver, UserConstraint
-from .strategies import build_strategies, resolve_source
+from .solver import PlacementSolver, UserConstraint, prune_unreachable
+from .strategies import build_strategies
 from .trace import check_on_meta, trace_joint
 
 log = logging.getLogger(__name__)
+
+
+def _is_multirank() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+        and dist.get_backend() != "fake"
 
 
 def _mp_dtypes(mp_policy) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -56,7 +63,8 @@ class AutoParallel:
 
     def __init__(self, model: nn.Module, input_fn: Callable[[], Any], mesh: DeviceMesh,
                  mp_policy=None, cost_model: CostModel | str | None = None,
-                 solver_time_limit: float = 300.0, grad_reduction: str = "mean"):
+                 solver_time_limit: float = 300.0, grad_reduction: str = "mean",
+                 share_repeated: bool = True, backward: str = "plan"):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
         check_on_meta(model)
@@ -69,6 +77,8 @@ class AutoParallel:
         self.cost_model = resolve_cost_model(cost_model)
         self.time_limit = solver_time_limit
         self.grad_reduction = grad_reduction
+        self.share_repeated = share_repeated
+        self.backward = backward
         self.timings: dict[str, float] = {}
         self._constraints: list[UserConstraint] = []
         self._inputs_set = self._outputs_set = False
@@ -80,6 +90,15 @@ class AutoParallel:
         t = time.perf_counter()
         self.tg = trace_joint(self.model, self.input_fn, self.param_dtype)
         self.timings["trace"] = time.perf_counter() - t
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _prepare(self) -> None:
+        """Strategies, pruning and grouping (lazy: ranks that only apply a plan skip them)."""
+        if self.table is not None:
+            return
         t = time.perf_counter()
         self.table = build_strategies(self.tg, self.mesh)
         self.timings["strategies"] = time.perf_counter() - t
@@ -90,10 +109,15 @@ class AutoParallel:
         self.solver = PlacementSolver(self.tg, self.table, self.estimator)
         if self.param_dtype is not None:
             self.solver.no_comm_edges = self._mp_no_comm_edges()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
+        t = time.perf_counter()
+        removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
+        if self.share_repeated:
+            pinned = {c.node for c in self._constraints if c.node is not None}
+            self.solver.rep = cluster_nodes(self.table, unique=pinned)
+            log.info("%d nodes share %d variable groups", len(self.table.nodes),
+                     len(set(self.solver.rep.values())))
+        self.timings["prune+cluster"] = time.perf_counter() - t
+        log.info("pruned %d unreachable strategies", removed)
 
     def _require_entered(self) -> None:
         if self.tg is None:
@@ -156,7 +180,7 @@ class AutoParallel:
                                                     sink=i, placement=pl))
 
     def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
-        """Pin one parameter's placement (e.g. to force a known-good layout)."""
+        """Pin one parameter's placement (call before `optimize_placement`)."""
         self._require_entered()
         if fqn not in self.tg.params:
             raise ConstraintError(f"no parameter named '{fqn}'")
@@ -165,7 +189,7 @@ class AutoParallel:
                                                 node=self.tg.params[fqn], placement=pl))
 
     # ------------------------------------------------------------------ mixed precision
-    def _mp_no_comm_edges(self) -> set:
+    def _mp_no_comm_edges(self) -> set:  # needs self.table
         """Edges that must not communicate: param -> its low-precision cast (gather after the
         cast), and the gradient's high-precision cast input (reduce after the cast)."""
         edges = set()
@@ -175,13 +199,41 @@ class AutoParallel:
                 if user.target in casts and user in self.table.nodes:
                     edges.add((user, 0))
         for g in self.tg.grads.values():
-            if g is not None and g.target in casts and g in self.table.nodes:
-                edges.add((g, 0))
+            if g is None or g.target not in casts or g not in self.table.nodes:
+                continue
+            # walk the single-input chain above the cast (t, view, ...) up to the op that made
+            # the gradient: a reduction anywhere on it would run in low precision
+            node = g
+            while node in self.table.nodes and len(self.table.nodes[node].sources) == 1:
+                edges.add((node, 0))
+                node = self.table.nodes[node].sources[0][0]
         return edges
 
     # ------------------------------------------------------------------ solve
-    def optimize_placement(self, verbose: bool = False) -> Plan:
+    def optimize_placement(self, verbose: bool = False, broadcast: bool = False) -> Plan:
+        """Solve and return the plan.
+
+        With `broadcast=True` and a real multi-rank process group, *all* ranks must call this:
+        only rank 0 builds and solves the program and the others receive its plan (as JSON),
+        so every rank applies the identical plan and the CPU cost is paid once.  With the
+        default `False` the call is local (no collectives), e.g. for a caller that solves on
+        rank 0 and broadcasts the plan itself.
+        """
         self._require_entered()
+        if broadcast and _is_multirank():
+            import torch.distributed as dist
+
+            box = [None]
+            if dist.get_rank() == 0:
+                box = [self._solve_local(verbose).to_json()]
+            dist.broadcast_object_list(box, src=0)
+            plan = Plan.from_json(box[0])
+            log.info("plan received from rank 0")
+            return plan
+        return self._solve_local(verbose)
+
+    def _solve_local(self, verbose: bool) -> Plan:
+        self._prepare()
         sol = self.solver.solve(self._constraints, self.time_limit, verbose)
         self.timings["build"] = self.solver.last_build_s
         self.timings["solve"] = self.solver.last_solve_s
@@ -208,6 +260,7 @@ class AutoParallel:
                 fwd_comm += us
             else:
                 bwd_comm += us
+        param_comm = self._param_comm(sol)
         total = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in tg.params.values())
         local = sum(n.meta["val"].numel() * n.meta["val"].element_size() *
                     P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
@@ -222,6 +275,7 @@ class AutoParallel:
             outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
             nodes=nodes,
             param_shapes={f: list(n.meta["val"].shape) for f, n in tg.params.items()},
+            param_comm_us=param_comm,
             predicted={"compute_us": sol.compute_us, "comm_us": sol.comm_us,
                        "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
                        "param_fraction": (local / total) if total else 1.0},
@@ -231,6 +285,29 @@ class AutoParallel:
             graph_fingerprint=graph_fingerprint(tg.gm),
         )
 
+    def _param_comm(self, sol) -> dict[str, float]:
+        """Predicted communication attributable to each parameter: redistributions of the
+        parameter and of its single-input chain (cast, transpose, view) plus its gradient's."""
+        owner: dict = {}
+        for fqn, pnode in self.tg.params.items():
+            frontier = [pnode]
+            while frontier:
+                n = frontier.pop()
+                owner[n] = fqn
+                for u in n.users:
+                    ns = self.table.nodes.get(u)
+                    if ns is not None and len(ns.sources) == 1 and u not in owner:
+                        frontier.append(u)
+        out = {fqn: 0.0 for fqn in self.tg.params}
+        for key, us in sol.edge_comm.items():
+            if key[0] == "grad":
+                out[key[1]] += us
+            elif isinstance(key[0], torch.fx.Node):
+                src = self.table.nodes[key[0]].sources[key[1]][0]
+                if src in owner:
+                    out[owner[src]] += us
+        return out
+
     # ------------------------------------------------------------------ apply
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:
         self._require_entered()
@@ -239,7 +316,8 @@ class AutoParallel:
         if not isinstance(plan, Plan):
             raise PlannerError(f"apply_placement expects a Plan, got {type(plan).__name__}")
         t = time.perf_counter()
-        runner = GraphRunner(self.tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction)
+        runner = GraphRunner(self.tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction,
+                             self.backward)
         pm = build_parallel_module(self.model, self.tg, plan, self.mesh, runner)
         self.timings["apply"] = time.perf_counter() - t
         plan.timings["apply"] = self.timings["apply"]

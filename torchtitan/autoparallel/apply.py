@@ -6,10 +6,13 @@ placements; its class is a dynamic subclass of the user's class, so `isinstance`
 methods and `init_weights` keep working (`init_weights` runs under `exact_sharded_init`, so a
 seed gives the same full tensors on any mesh).
 
-`forward` interprets the traced *forward* graph over DTensors: before each op, every tensor
-input is redistributed to the placement the plan chose for that op (these are the plan's
-collectives), then the ATen op runs through DTensor.  Autograd through DTensor produces the
-backward (gradients arrive in the parameters' placements).  Outputs are redistributed to the
+`forward` interprets the traced graph over DTensors: before each op, every tensor input is
+redistributed to the placement the plan chose for that op (these are the plan's
+collectives), then the ATen op runs through DTensor.  With `backward="plan"` (default) a
+custom autograd function runs the joint graph's *backward* nodes the same way, so gradient
+reductions happen where the solver put them; with `backward="autograd"` DTensor autograd
+derives the backward from the planned forward.  Either way gradients land in the parameters'
+placements.  Outputs are redistributed to the
 planned output placement and returned as local tensors; the caller passes local inputs
 (per-rank shards of the global-shaped example inputs).
 
@@ -48,6 +51,28 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+class _ParamCast:
+    """A parameter's low-precision cast, materialised per requested placement.
+
+    `redistribute(forward_dtype=low, backward_dtype=reduce)` casts *before* the forward
+    collective (gathers move low precision) and casts the gradient to the reduce dtype *before*
+    the backward collective, returning it in the parameter's dtype (reductions in high
+    precision, no extra rounding).  One collective per distinct placement, shared by consumers.
+    """
+
+    def __init__(self, param: DTensor, dtype: torch.dtype, reduce_dtype: torch.dtype | None):
+        self.param, self.dtype, self.reduce_dtype = param, dtype, reduce_dtype
+        self.cache: dict = {}
+
+    def get(self, pl) -> DTensor:
+        pl = tuple(pl) if pl is not None else tuple(self.param.placements)
+        if pl not in self.cache:
+            self.cache[pl] = self.param.redistribute(
+                self.param.device_mesh, pl, forward_dtype=self.dtype,
+                backward_dtype=self.reduce_dtype or self.param.dtype)
+        return self.cache[pl]
+
+
 def _meta_dtensor(t: torch.Tensor, mesh: DeviceMesh, pl: P.Placements) -> DTensor:
     local_shape, _ = compute_local_shape_and_global_offset(t.shape, mesh, pl)
     local = torch.empty(local_shape, dtype=t.dtype, device="meta")
@@ -58,14 +83,20 @@ class GraphRunner:
     """Executes the forward part of the traced graph over DTensors following a plan."""
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
-                 reduce_dtype: torch.dtype | None = None, grad_reduction: str = "mean"):
+                 reduce_dtype: torch.dtype | None = None, grad_reduction: str = "mean",
+                 backward: str = "plan"):
         if plan.graph_fingerprint and plan.graph_fingerprint != graph_fingerprint(tg.gm):
             raise PlannerError("plan was made for a different traced graph (fingerprint mismatch)")
         if list(plan.mesh_shape) != list(mesh.shape):
             raise PlannerError(f"plan is for mesh {plan.mesh_shape}, got mesh {list(mesh.shape)}")
         if grad_reduction not in ("mean", "sum"):
             raise PlannerError(f"grad_reduction must be 'mean' or 'sum', got '{grad_reduction}'")
+        if backward not in ("plan", "autograd"):
+            raise PlannerError(f"backward must be 'plan' or 'autograd', got '{backward}'")
         self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.backward = backward
+        self.compile_kwargs: dict | None = None  # set by the module's compile()
+        self._compiled: dict = {}
         self.reduce_dtype = reduce_dtype
         self.grad_reduction = grad_reduction
         self.order = [n for n in tg.gm.graph.nodes
@@ -76,9 +107,17 @@ class GraphRunner:
                    and isinstance(n.meta.get("val"), (torch.Tensor, list, tuple))]
         if missing:
             raise PlannerError(f"plan has no entry for graph node '{missing[0]}'")
+        self.backward_order = [n for n in tg.gm.graph.nodes
+                               if n.op == "call_function" and n not in tg.forward_nodes]
+        self.grad_pls = {f: P.parse(s) for f, s in plan.grads.items()}
         self.input_pls = [P.parse(s) for s in plan.inputs]
         self.output_pls = [P.parse(s) for s in plan.outputs]
         self.param_of = {n: f for f, n in tg.params.items()}
+        casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+        self.param_casts = {
+            n: n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 else None) for n in self.order
+            if n.target in casts and n.args and n.args[0] in self.param_of
+            and set(n.kwargs) <= {"dtype"}}
         self.buffer_of = {n: f for f, n in tg.buffers.items()}
 
     def _batch_ranks(self) -> int:
@@ -112,11 +151,48 @@ class GraphRunner:
         return DTensor.from_local(x, self.mesh, pl, run_check=False, shape=val.shape,
                                   stride=val.stride())
 
-    def run(self, module: nn.Module, args: tuple) -> Any:
+    # ------------------------------------------------------------------ execution
+    def _exec(self, node: fx.Node, env: dict, device, param_casts: bool) -> None:
+        """Run one graph node: redistribute tensor inputs to the plan's placements, then the op."""
+        if is_getitem(node):
+            parent, idx = node.args
+            env[node] = env[parent][idx]
+            return
+        if param_casts and node in self.param_casts and isinstance(env[node.args[0]], DTensor):
+            env[node] = _ParamCast(env[node.args[0]], self.param_casts[node], self.reduce_dtype)
+            return
+        targets = self.ins.get(node.name, [])
+        counter = iter(range(len(targets)))
+
+        def conv(a):
+            if isinstance(a, fx.Node):
+                v = env[a]
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    k = next(counter, None)
+                    if isinstance(v, _ParamCast):
+                        return v.get(targets[k] if k is not None else None)
+                    if k is not None and isinstance(v, DTensor) and targets[k] is not None:
+                        v = self._redistribute(v, targets[k])
+                return v
+            if isinstance(a, (list, tuple)):
+                return type(a)(conv(x) for x in a)
+            return a
+
+        args_ = tuple(conv(a) for a in node.args)
+        kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+        if not any(isinstance(x.meta.get("val"), torch.Tensor) for x in node.all_input_nodes):
+            if "device" in kwargs and device is not None:
+                kwargs["device"] = device
+            out = node.target(*args_, **kwargs)
+            if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+                rep = tuple(Replicate() for _ in self.mesh.shape)
+                out = DTensor.from_local(out, self.mesh, rep, run_check=False)
+        else:
+            out = node.target(*args_, **kwargs)
+        env[node] = out
+
+    def _placeholders(self, module: nn.Module, flat: list) -> tuple[dict, Any]:
         tg = self.tg
-        flat, _ = pytree.tree_flatten(args)
-        if len(flat) != len(tg.inputs):
-            raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
         env: dict[fx.Node, Any] = {}
         device = None
         for fqn, node in tg.params.items():
@@ -132,46 +208,41 @@ class GraphRunner:
         for i, (x, node) in enumerate(zip(flat, tg.inputs)):
             env[node] = self._wrap_input(i, x, node)
             device = device or x.device
+        return env, device
 
-        for node in self.order:
-            if is_getitem(node):
-                parent, idx = node.args
-                env[node] = env[parent][idx]
-                continue
-            targets = self.ins.get(node.name, [])
-            counter = iter(range(len(targets)))
+    @torch._dynamo.disable
+    def run(self, module: nn.Module, args: tuple) -> Any:
+        """Execute the plan on local inputs.  Dynamo never traces this interpreter; after
+        `module.compile()` it runs the plan as compiled local graphs instead (compiled.py)."""
+        tg = self.tg
+        flat, _ = pytree.tree_flatten(args)
+        if len(flat) != len(tg.inputs):
+            raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
+        env, device = self._placeholders(module, flat)
+        if self.compile_kwargs is not None:
+            from .compiled import run_compiled
 
-            def conv(a):
-                if isinstance(a, fx.Node):
-                    v = env[a]
-                    if isinstance(a.meta.get("val"), torch.Tensor):
-                        k = next(counter, None)
-                        if k is not None and isinstance(v, DTensor) and targets[k] is not None:
-                            v = self._redistribute(v, targets[k])
-                    return v
-                if isinstance(a, (list, tuple)):
-                    return type(a)(conv(x) for x in a)
-                return a
+            return self._finish(run_compiled(self, env, device, self.compile_kwargs))
+        joint = self.backward == "plan" and torch.is_grad_enabled() and any(
+            isinstance(env[n], torch.Tensor) and env[n].requires_grad for n in tg.params.values())
+        if joint:
+            keys = list(env)
+            dts = _JointFunction.apply(self, device, keys, *[env[k] for k in keys])
+        else:
+            for node in self.order:
+                self._exec(node, env, device, param_casts=True)
+            dts = [self._redistribute(env[n], self.output_pls[i]) if isinstance(env[n], DTensor)
+                   else env[n] for i, n in enumerate(tg.outputs)]
+        return self._finish(dts)
 
-            args_ = tuple(conv(a) for a in node.args)
-            kwargs = {k: conv(v) for k, v in node.kwargs.items()}
-            has_tensor_input = any(isinstance(x.meta.get("val"), torch.Tensor) for x in node.all_input_nodes)
-            if not has_tensor_input:
-                if "device" in kwargs and device is not None:
-                    kwargs["device"] = device
-                out = node.target(*args_, **kwargs)
-                if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
-                    out = DTensor.from_local(out, self.mesh, rep, run_check=False)
-            else:
-                out = node.target(*args_, **kwargs)
-            env[node] = out
-
+    def _finish(self, dts: list) -> Any:
+        """Local outputs (with the mean-gradient scaling) in the user's output structure."""
+        tg = self.tg
         outs = []
         scale = 1.0 / self._batch_ranks() if self.grad_reduction == "mean" else 1.0
-        for i, node in enumerate(tg.outputs):
-            v = env[node]
+        for v in dts:
             if isinstance(v, DTensor):
-                v = self._redistribute(v, self.output_pls[i]).to_local()
+                v = v.to_local()
             if scale != 1.0 and v.requires_grad:
                 v = _ScaleGrad.apply(v, scale)
             outs.append(v)
@@ -183,6 +254,50 @@ class GraphRunner:
             except Exception:
                 pass
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+class _JointFunction(torch.autograd.Function):
+    """Forward and backward both follow the plan: the joint graph's backward nodes run in
+    `backward`, with every redistribution (e.g. gradient reduce-scatters) the solver chose."""
+
+    @staticmethod
+    def forward(ctx, runner: GraphRunner, device, keys, *values):
+        env = dict(zip(keys, values))
+        with torch.no_grad():
+            for node in runner.order:
+                runner._exec(node, env, device, param_casts=False)
+        ctx.runner, ctx.env, ctx.keys, ctx.device = runner, env, keys, device
+        return tuple(runner._redistribute(env[n], runner.output_pls[i])
+                     for i, n in enumerate(runner.tg.outputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        runner, env, tg = ctx.runner, ctx.env, ctx.runner.tg
+        with torch.no_grad():
+            for i, t in enumerate(tg.tangents):
+                if t is None:
+                    continue
+                g = grads[i]
+                if g is None:
+                    out = env[tg.outputs[i]]
+                    g = DTensor.from_local(torch.zeros_like(out.to_local()), runner.mesh,
+                                           out.placements, run_check=False, shape=out.shape,
+                                           stride=out.stride())
+                if not isinstance(g, DTensor):
+                    g = DTensor.from_local(g, runner.mesh, runner.output_pls[i], run_check=False)
+                env[t] = runner._redistribute(g, runner.output_pls[i])
+            for node in runner.backward_order:
+                runner._exec(node, env, ctx.device, param_casts=False)
+            out = []
+            for k in ctx.keys:
+                fqn = runner.param_of.get(k)
+                gnode = tg.grads.get(fqn) if fqn is not None else None
+                if gnode is None:
+                    out.append(None)
+                    continue
+                out.append(runner._redistribute(env[gnode], runner.grad_pls[fqn]))
+        ctx.env = None
+        return (None, None, None, *out)
 
 
 def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
@@ -219,7 +334,12 @@ def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: D
     def forward(self, *args):
         return self._ap_runner.run(self, args)
 
-    attrs: dict[str, Any] = {"forward": forward, "__module__": user_cls.__module__}
+    def compile(self, *args, **kwargs):
+        """Run the plan as compiled local graphs (see compiled.py); kwargs go to torch.compile."""
+        self._ap_runner.compile_kwargs = dict(kwargs)
+        self._ap_runner._compiled.clear()
+
+    attrs: dict[str, Any] = {"forward": forward, "compile": compile, "__module__": user_cls.__module__}
     if hasattr(user_cls, "init_weights"):
         def init_weights(self, *a, **kw):
             from torchtitan.distributed.sharded_init import exact_sharded_init

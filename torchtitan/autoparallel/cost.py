@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils.flop_counter import flop_registry
 
 from . import placements as P
@@ -102,7 +102,7 @@ class CostModel:
 
 
 def resolve_cost_model(cost_model) -> CostModel:
-    """Accept a CostModel, a device name, or None (CPU when no GPU, else H100)."""
+    """Accept a CostModel, a device name, or None (H100 figures)."""
     if isinstance(cost_model, CostModel):
         return cost_model
     if cost_model is None:

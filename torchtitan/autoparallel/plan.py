@@ -30,6 +30,7 @@ class Plan:
     outputs: list[str]
     nodes: dict[str, dict]  # name -> {"op": str, "ins": [str], "out": [str]}
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
+    param_comm_us: dict[str, float] = field(default_factory=dict)  # predicted, per parameter
     predicted: dict[str, float] = field(default_factory=dict)  # compute_us, comm_us, ...
     solver: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -58,11 +59,13 @@ class Plan:
     # ---------------- display ----------------
     def table(self) -> str:
         names = self.mesh_dim_names
-        head = ["parameter", "shape"] + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)]
+        head = ["parameter", "shape"] + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)] + ["comm ms"]
         rows = [head]
         for fqn, pl in self.params.items():
             parts = pl.split(",")
-            rows.append([fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))] + parts)
+            comm = self.param_comm_us.get(fqn)
+            rows.append([fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))] + parts
+                        + ["-" if comm is None else f"{comm / 1e3:.3f}"])
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -19,8 +19,8 @@ minimal conflicting set and report their names.
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import highspy
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
 from . import placements as P
 from .cost import INF, Estimator
@@ -103,7 +104,7 @@ class _Model:
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(verbose))
         h.setOptionValue("time_limit", float(time_limit))
-        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("mip_rel_gap", 1e-4)
         h.setOptionValue("threads", 1)
         lp = highspy.HighsLp()
         n = len(self.cost)
@@ -140,6 +141,8 @@ class PlacementSolver:
         self._compute: dict[tuple[fx.Node, int], float] = {}
         # (consumer node, input index) edges on which no redistribution may happen
         self.no_comm_edges: set = set()
+        # node -> representative sharing its variables (see cluster.py); None = no sharing
+        self.rep: dict[fx.Node, fx.Node] | None = None
 
     # ------------------------------------------------------------------
     def compute_cost(self, node: fx.Node, s: int) -> float:
@@ -182,14 +185,23 @@ class PlacementSolver:
     def _solve_once(self, constraints, time_limit, verbose) -> Solution | None:
         t0 = time.perf_counter()
         tg, table, est = self.tg, self.table, self.est
+        rep = self.rep if self.rep is not None else {n: n for n in table.nodes}
+        mult: dict[fx.Node, int] = defaultdict(int)
+        for n in table.nodes:
+            mult[rep[n]] += 1
         m = _Model()
         xvars: dict[fx.Node, list[int]] = {}
-        for node, ns in table.nodes.items():
-            xs = [m.var(self.compute_cost(node, s), True) for s in range(len(ns.strategies))]
-            xvars[node] = xs
+        for node in table.nodes:
+            r = rep[node]
+            if r in xvars:
+                xvars[node] = xvars[r]
+                continue
+            ns = table.nodes[r]
+            xs = [m.var(self.compute_cost(r, s) * mult[r], True) for s in range(len(ns.strategies))]
+            xvars[r] = xvars[node] = xs
             m.row([(x, 1.0) for x in xs], 1.0, 1.0)
 
-        edge_vars: list[tuple[tuple, int, float]] = []  # (edge key, var, cost)
+        edge_vars: list[tuple[list, int, float]] = []  # (member edges, var, cost per member)
 
         def producer_groups(src) -> dict[P.Placements, list[int]]:
             ns = table.nodes[src[0]]
@@ -199,38 +211,44 @@ class PlacementSolver:
                     g[pl].append(xvars[src[0]][s])
             return g
 
-        def link(src, cons_groups: dict[P.Placements, list[int]], key) -> None:
+        def link(src, cons_groups: dict[P.Placements, list[int]], members: list) -> None:
             """Tight edge constraints between a producer and a consumer's requirement groups."""
             val = _source_val(src)
             prod = producer_groups(src)
             rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
             rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
-            frozen = key in self.no_comm_edges
+            frozen = any(k in self.no_comm_edges for k in members)
             for o in prod:
                 for r in cons_groups:
                     if frozen and o != r:
                         continue
+                    if not _direct(o, r):
+                        continue
                     c = est.comm_us(o, r, tuple(val.shape), val.element_size())
                     if c == INF:
                         continue
-                    y = m.var(c + (TIE_BREAK_US if o != r else 0.0), False)
-                    edge_vars.append((key, y, c))
+                    y = m.var((c + (TIE_BREAK_US if o != r else 0.0)) * len(members), False)
+                    edge_vars.append((members, y, c))
                     rows_o[o].append((y, 1.0))
                     rows_r[r].append((y, 1.0))
             for terms in list(rows_o.values()) + list(rows_r.values()):
                 m.row(terms, 0.0, 0.0)
 
-        # consumer edges
+        # consumer edges, one set of variables per (producer group, consumer group, arg)
+        edges: dict[tuple, list] = defaultdict(list)
         for node, ns in table.nodes.items():
             for k, src in enumerate(ns.sources):
-                groups: dict[P.Placements, list[int]] = defaultdict(list)
-                for s, st in enumerate(ns.strategies):
-                    r = st.ins[k]
-                    if r is None:
-                        continue
-                    groups[r].append(xvars[node][s])
-                if groups:
-                    link(src, groups, (node, k))
+                edges[(rep[src[0]], src[1], rep[node], k)].append((node, k))
+        for (psrc, pidx, cnode, k), members in edges.items():
+            ns = table.nodes[cnode]
+            groups: dict[P.Placements, list[int]] = defaultdict(list)
+            for s, st in enumerate(ns.strategies):
+                r = st.ins[k]
+                if r is None:
+                    continue
+                groups[r].append(xvars[cnode][s])
+            if groups:
+                link((psrc, pidx), groups, members)
 
         # sinks: forward outputs (tied to tangents) and parameter gradients (tied to params)
         sink_vars: dict[int, dict[P.Placements, int]] = {}
@@ -241,22 +259,26 @@ class PlacementSolver:
             w = {pl: m.var(0.0, True) for pl in opts}
             m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
             sink_vars[i] = w
-            link(src, {pl: [v] for pl, v in w.items()}, ("output", i))
+            link(src, {pl: [v] for pl, v in w.items()}, [("output", i)])
             tan = tg.tangents[i]
             if tan is not None and tan in table.nodes:
                 self._tie(m, w, table.nodes[tan], xvars[tan])
         grad_vars: dict[str, dict[P.Placements, int]] = {}
+        grad_groups: dict[tuple, list[str]] = defaultdict(list)
         for fqn, g in tg.grads.items():
             if g is None:
                 continue
-            pnode = tg.params[fqn]
             src = _resolve(g)
+            grad_groups[(rep[tg.params[fqn]], rep.get(src[0], src[0]), src[1])].append(fqn)
+        for (pnode, gnode, gidx), fqns in grad_groups.items():
+            src = (gnode, gidx)
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
             w = {pl: m.var(0.0, True) for pl in opts}
             m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
-            grad_vars[fqn] = w
-            link(src, {pl: [v] for pl, v in w.items()}, ("grad", fqn))
+            for fqn in fqns:
+                grad_vars[fqn] = w
+            link(src, {pl: [v] for pl, v in w.items()}, [("grad", f) for f in fqns])
             self._tie(m, w, table.nodes[pnode], xvars[pnode])
 
         # user constraints
@@ -274,10 +296,12 @@ class PlacementSolver:
                         raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
                     m.lb[xvars[c.node][idx[0]]] = 1.0
             elif c.kind == "mem":
+                # in units of all parameter bytes, so the row is well scaled for the solver
+                total = float(sum(self.param_bytes(n) for n in tg.params.values())) or 1.0
                 terms, lo_bound, hi_bound = [], 0.0, 0.0
                 for fqn, pnode in tg.params.items():
                     ns = table.nodes[pnode]
-                    b = self.param_bytes(pnode)
+                    b = self.param_bytes(pnode) / total
                     fr = [P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
                           for st in ns.strategies]
                     for s, f in enumerate(fr):
@@ -306,13 +330,14 @@ class PlacementSolver:
         for node, xs in xvars.items():
             s = max(range(len(xs)), key=lambda i: values[xs[i]])
             choice[node] = s
-            compute += self.compute_cost(node, s)
+            compute += self.compute_cost(rep[node], s)
         comm = 0.0
         edge_comm: dict = defaultdict(float)
-        for key, v, c in edge_vars:
+        for members, v, c in edge_vars:
             if values[v] > 0.5:
-                comm += c
-                edge_comm[key] += c
+                for key in members:
+                    comm += c
+                    edge_comm[key] += c
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
@@ -330,6 +355,60 @@ class PlacementSolver:
             if pl in w:
                 terms.append((w[pl], -1.0))
             m.row(terms, 0.0, 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _direct(o: P.Placements, r: P.Placements) -> bool:
+    """Redistributions the program may use: at most one collective (slicing is free).
+
+    Dropping multi-collective changes (except "to fully replicated") keeps edge variables near
+    O(placements) per edge instead of O(placements^2); since every placement can reach
+    all-Replicate, and every op has an all-Replicate strategy, the program stays feasible.
+    """
+    if o == r:
+        return True
+    if all(isinstance(p, Replicate) for p in r):
+        return True
+    return sum(a != b and not isinstance(a, Replicate) for a, b in zip(o, r)) <= 1
+
+
+def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
+    """Drop strategies whose inputs no live producer placement can reach with one collective.
+
+    Works in graph order so pruning propagates forward; returns the number of strategies
+    removed.  Placeholders keep all their options.
+    """
+    removed = 0
+    for node, ns in table.nodes.items():
+        if not ns.sources:
+            continue
+        emitted = []
+        for src in ns.sources:
+            emitted.append({pl for pl in table.nodes[src[0]].out_placements(src[1]) if pl is not None})
+        vals = [_source_val(src) for src in ns.sources]
+        memo: dict = {}
+
+        def ok(k, r):
+            if r is None:
+                return True
+            hit = memo.get((k, r))
+            if hit is None:
+                frozen = (node, k) in no_comm_edges
+                hit = memo[(k, r)] = any(
+                    o == r or (not frozen and _direct(o, r) and _finite(o, r)) for o in emitted[k])
+            return hit
+
+        live = [st for st in ns.strategies if all(ok(k, r) for k, r in enumerate(st.ins))]
+        if len(live) != len(ns.strategies):
+            removed += len(ns.strategies) - len(live)
+            ns.strategies = live
+    return removed
+
+
+@functools.lru_cache(maxsize=None)
+def _finite(o: P.Placements, r: P.Placements) -> bool:
+    """Whether the cost model allows o -> r at all (shape-independent: only Partial targets fail)."""
+    return all(a == b or not b.is_partial() for a, b in zip(o, r))
 
 
 def _resolve(node: fx.Node):

@@ -263,32 +263,44 @@ class StrategyBuilder:
         return list(strat.strategies)
 
     def _classic(self, node, func, inputs, cand_lists) -> list[OpSpec]:
+        """Union of the rule's answer for all candidates at once and per candidate of input 0.
+
+        Many classic rules "follow" their input (stack, view, reductions): given a set of
+        candidates they answer for one of them, or raise.  Asking once per placement of the
+        first input (other inputs offered the same placement when they can take it, else
+        Replicate) recovers every option.
+        """
         strat_of = {n: self._op_strategy(n, c) for n, c in zip(inputs, cand_lists)}
+        specs: list[OpSpec] = []
+        first_err = None
         try:
-            return list(func(self._schema(node, strat_of)).strategies)
-        except Exception as first:  # "follow" rules: ask per placement of the first input
-            specs: list[OpSpec] = []
-            rep = tuple(Replicate() for _ in self.mesh_shape)
-            for pl in cand_lists[0]:
-                one = dict(strat_of)
-                one[inputs[0]] = self._op_strategy(inputs[0], [pl])
-                for other in inputs[1:]:
-                    if other is not inputs[0]:
-                        one[other] = self._op_strategy(other, [rep])
-                try:
-                    specs.extend(func(self._schema(node, one)).strategies)
-                except Exception:
-                    continue
-            if not specs:
-                raise UnsupportedOpError(
-                    f"DTensor rule for op {node.target} failed at node '{node.name}': "
-                    f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}")
-            return specs
+            specs.extend(func(self._schema(node, strat_of)).strategies)
+        except Exception as e:
+            first_err = e
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        for pl in cand_lists[0]:
+            one = {}
+            for n, c in zip(inputs, cand_lists):
+                one[n] = self._op_strategy(n, [pl] if pl in c else [rep])
+            one[inputs[0]] = self._op_strategy(inputs[0], [pl])
+            try:
+                specs.extend(func(self._schema(node, one)).strategies)
+            except Exception as e:
+                first_err = first_err or e
+                continue
+        if not specs:
+            msg = str(first_err).splitlines()[0] if first_err and str(first_err) else ""
+            raise UnsupportedOpError(
+                f"DTensor rule for op {node.target} failed at node '{node.name}': "
+                f"{type(first_err).__name__}: {msg}")
+        return specs
 
     @staticmethod
     def _plain(pl) -> bool:
-        # only Shard/Replicate/Partial; _StridedShard (a flattened view of a sharded dim) is dropped
-        return all(type(p) in (Shard, Replicate, Partial) for p in pl)
+        # only Shard/Replicate/Partial(sum|avg); _StridedShard (a flattened view of a sharded dim)
+        # and max/min partials (from amax-style reductions) are dropped to keep the program small
+        return all(type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+                   for p in pl)
 
     def _to_strategies(self, node, specs: list[OpSpec], inputs, n_out) -> list[Strategy]:
         in_vals = [n.meta["val"] for n in inputs]
@@ -324,6 +336,14 @@ class StrategyBuilder:
                    for pl, v in zip(in_pls, in_vals)):
                 continue
             seen.setdefault(Strategy(tuple(out_pls), tuple(in_pls)), None)
+        # computing on full tensors everywhere is always correct; make sure it is an option
+        rep = tuple(Replicate() for _ in self.mesh_shape)
+        all_rep = Strategy(
+            tuple(rep if isinstance(v, torch.Tensor) else None for v in out_vals),
+            tuple(rep for _ in inputs))
+        if not any(all(p is None or p == rep for p in st.out) and all(p == rep for p in st.ins)
+                   for st in seen):
+            seen.setdefault(all_rep, None)
         return list(seen)
 
 

@@ -103,6 +103,9 @@ class _CastParams(nn.Module):
         self.dtype = dtype
 
     def forward(self, *args, **kwargs):
+        # like FSDP2's cast_forward_inputs: floating inputs run in the compute dtype too
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
         params = {
             n: (p.to(self.dtype) if p.is_floating_point() else p)
             for n, p in self.inner.named_parameters(remove_duplicate=False)
@@ -142,6 +145,7 @@ def trace_joint(
     def strip(fqn: str) -> str:
         return fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
 
+    _check_outputs(graph)
     params = {strip(k): v for k, v in fx_utils.get_named_param_nodes(graph).items()}
     buffers = {strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()}
     grads: dict[str, fx.Node | None] = {}
@@ -167,6 +171,20 @@ def trace_joint(
     )
     tg.forward_nodes = forward_nodes(tg)
     return tg
+
+
+def _check_outputs(graph: fx.Graph) -> None:
+    """Only plain outputs and gradients are supported; name anything else (e.g. a buffer the
+    forward mutates in place, like BatchNorm's running stats) instead of dropping it."""
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTOutput
+
+    out = next(n for n in graph.nodes if n.op == "output")
+    for desc in out.meta.get("desc", []):
+        if desc is not None and not isinstance(desc, (PlainAOTOutput, GradAOTOutput)):
+            what = getattr(getattr(desc, "mutated_input", None), "target", None) or desc
+            raise PlannerError(
+                f"unsupported side effect in forward: {type(desc).__name__} ({what}); "
+                "in-place updates of inputs or buffers are not supported")
 
 
 def forward_nodes(tg: TracedGraph) -> set[fx.Node]:

@@ -75,6 +75,12 @@ def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_co
         parallel_model = autop.apply_placement(plan)
     logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}")
 
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        # One graph for the whole model: its collectives are what inductor's comms
+        # passes (bucketing, reordering; see [compile]) work on.
+        parallel_model.compile()
+        logger.info("compiled the auto-parallel module with torch.compile")
+
     if loss_parallel:
         tp_mesh = mesh["tp"]
 

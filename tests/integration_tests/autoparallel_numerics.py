@@ -1,0 +1,183 @@
+"""Multi-rank numerics check for the planner: run with
+
+    torchrun --standalone --nproc_per_node=4 tests/integration_tests/autoparallel_numerics.py [models] [meshes] [bf16]
+
+For each model and each mesh (dp4, tp4, dp2xtp2 — the same 4 ranks reshaped) it plans
+(`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it, initialises with
+`init_weights` and checks:
+  * initial parameters equal the single-process init bitwise;
+  * the forward output equals the single-process output on this rank's batch slice;
+  * every parameter gradient equals the single-process gradient (fp32, atol/rtol 1e-5).
+With `bf16` the plan uses mixed precision (bf16 params/compute, fp32 gradient reduction) and
+the checks compare against the fp32 reference at bf16 tolerance (gradients must be fp32).
+`AP_COMPILE=1` runs the parallel module after `module.compile()` (tolerance 1e-4).
+`AP_LLAMA_LAYERS=6` checks the full-depth debug model (default 2 layers, to keep CI short).
+Prints one line per check and `ALL OK` at the end; exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from autoparallel_models import GPT2Block, MLPStack, tiny_llama  # noqa: E402
+
+from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
+
+TOL = 1e-5
+MESHES = {"dp4": ((4,), ("dp",)), "tp4": ((4,), ("tp",)), "dp2tp2": ((2, 2), ("dp", "tp"))}
+
+
+def models():
+    b, s = 4, 16
+    return {
+        "llama": (lambda: tiny_llama(n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s),
+                  lambda g: (torch.randint(0, 256, (b, s), generator=g),),
+                  lambda g: torch.randint(0, 256, (b, s), generator=g), "ce"),
+        "mlp": (lambda: MLPStack(), lambda g: (torch.randn(b, 8, 32, generator=g),),
+                lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
+        "gpt2": (lambda: GPT2Block(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
+                 lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
+    }
+
+
+def loss_fn(kind, out, labels):
+    if kind == "ce":
+        return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
+    return F.mse_loss(out, labels)
+
+
+def local_slice(t: torch.Tensor, mesh, pl) -> torch.Tensor:
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, pl)
+    idx = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return t[idx]
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    if dist.get_rank() == 0:
+        print(f"{'OK  ' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        raise AssertionError(f"{name} {detail}")
+
+
+COMPILE = os.environ.get("AP_COMPILE") == "1"
+
+
+def close(a, b, bf16):
+    if not bf16:
+        tol = 1e-4 if COMPILE else TOL  # inductor may reassociate float sums
+        return torch.allclose(a, b, atol=tol, rtol=tol)
+    # bf16 compute vs an fp32 reference: relative to the tensor's scale
+    return (a.float() - b).abs().max().item() <= 3e-2 * max(b.abs().max().item(), 1e-6)
+
+
+def run_one(model_name, mesh_name, world, bf16=False):
+    make_model, make_inputs, make_labels, kind = models()[model_name]
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    batch_pin = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
+
+    # single-process reference (same seed on every rank)
+    ref = make_model()
+    torch.manual_seed(0)
+    ref.init_weights()
+    g = torch.Generator().manual_seed(1)
+    inputs, labels = make_inputs(g), make_labels(g)
+    ref_out = ref(*inputs)
+    loss_fn(kind, ref_out, labels).backward()
+
+    with torch.device("meta"):
+        meta_model = make_model()
+    t0 = time.perf_counter()
+    specs = [(x.shape, x.dtype) for x in inputs]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    model_name = model_name + ("+bf16" if bf16 else "")
+    with AutoParallel(meta_model, lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
+                      mesh, cost_model="h100", mp_policy=mp) as autop:
+        autop.add_parameter_memory_constraint()
+        autop.add_input_constraints([batch_pin])
+        autop.add_output_constraints([batch_pin])
+        plan = autop.optimize_placement(broadcast=True)  # rank 0 solves, the others receive it
+        plan = Plan.from_json(plan.to_json())  # and a JSON round trip must apply as well
+        pm = autop.apply_placement(plan)
+    plan_s = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        placed = {k: v for k, v in list(plan.params.items())[:6]}
+        print(f"---- {model_name} on {mesh_name}: planned+applied in {plan_s:.1f}s "
+              f"({ {k: round(v, 2) for k, v in plan.timings.items()} }); params {json.dumps(placed)}",
+              flush=True)
+
+    pm.to_empty(device="cpu")
+    torch.manual_seed(0)
+    pm.init_weights()
+    names_ref = dict(ref.named_parameters())
+    assert [n for n, _ in pm.named_parameters()] == list(names_ref), "FQNs differ"
+    bad = [n for n, p in pm.named_parameters()
+           if not torch.equal(p.full_tensor(), names_ref[n].detach())]
+    check(f"{model_name}/{mesh_name} init bitwise", not bad, str(bad[:3]))
+
+    if COMPILE:
+        pm.compile()  # plan runs as compiled local graphs with functional collectives
+        model_name += "+compile"
+    local_inputs = [local_slice(x, mesh, batch_pin) for x in inputs]
+    out = pm(*local_inputs)
+    exp = local_slice(ref_out.detach(), mesh, batch_pin)
+    err = (out.float() - exp).abs().max().item()
+    check(f"{model_name}/{mesh_name} forward", close(out, exp, bf16), f"max err {err:.2e}")
+    loss_fn(kind, out, local_slice(labels, mesh, batch_pin)).backward()
+    worst, worst_name = 0.0, ""
+    ok = True
+    for n, p in pm.named_parameters():
+        gfull = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        gref = names_ref[n].grad
+        e = (gfull - gref).abs().max().item()
+        if e > worst:
+            worst, worst_name = e, n
+        ok &= close(gfull, gref, bf16) and gfull.dtype == torch.float32
+    check(f"{model_name}/{mesh_name} grads", ok, f"max err {worst:.2e} ({worst_name})")
+    # optimizer + grad clipping run on the DTensor parameters
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
+    opt.step()
+    check(f"{model_name}/{mesh_name} clip+optimizer step", True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    sel_models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["llama", "mlp", "gpt2"]
+    sel_meshes = sys.argv[2].split(",") if len(sys.argv) > 2 else list(MESHES)
+    bf16 = len(sys.argv) > 3 and sys.argv[3] == "bf16"
+    rc = 0
+    try:
+        for mname in sel_models:
+            for mesh_name in sel_meshes:
+                run_one(mname, mesh_name, world, bf16)
+        if dist.get_rank() == 0:
+            print("ALL OK", flush=True)
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if rc == 0:
+        dist.barrier()
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""llama3_auto_parallel end to end on 4 CPU ranks: losses, checkpoint resume, hand-over.
+
+Every run sees the same global batch (4) as the 1-rank llama3 reference, whose curve is
+the golden file (test_loss_curves.py checks a fresh 1-rank run against it), so each mesh
+must reproduce it within rtol 1e-4.  The dp2×tp2 run also saves checkpoints at steps 5
+and 10; a run stopped at 5 and restarted must reproduce steps 6–10 bitwise, and the hand-
+written llama3 dp2×tp2 must continue from the auto-parallel step-5 checkpoint within 1e-4.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from harness import REPO, run_training
+from torchtitan.tools.loss_compare import assert_losses_close, read_golden
+
+GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
+AUTO = ["--model.name", "llama3_auto_parallel"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+MESHES = {
+    "dp4": ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "1"],
+    "tp4": ["--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "4"],
+    "dp2_tp2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2_run(tmp_path_factory):
+    """The uninterrupted auto-parallel dp2×tp2 run, checkpointing at 5 and 10."""
+    folder = tmp_path_factory.mktemp("auto_dp2_tp2")
+    return run_training(4, [*AUTO, *MESHES["dp2_tp2"], *CKPT], folder).check()
+
+
+@pytest.mark.parametrize("mesh", ["dp4", "tp4"])
+def test_auto_parallel_matches_1rank(mesh, tmp_path):
+    run = run_training(4, [*AUTO, *MESHES[mesh]], tmp_path).check()
+    assert "auto-parallel planning took" in run.output
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=f"auto {mesh} vs 1 rank")
+
+
+def test_auto_parallel_dp2_tp2_matches_1rank_and_learns(dp2_tp2_run):
+    losses = dp2_tp2_run.losses()
+    assert_losses_close(losses, GOLDEN, rtol=1e-4, what="auto dp2xtp2 vs 1 rank")
+    assert losses[10] < losses[1]
+
+
+def test_resume_is_bitwise_and_plan_is_reused(dp2_tp2_run, tmp_path):
+    full = dp2_tp2_run.losses()
+    shutil.copytree(dp2_tp2_run.dump_folder / "plans", tmp_path / "plans")
+    args = [*AUTO, *MESHES["dp2_tp2"], *CKPT]
+    first = run_training(4, [*args, "--training.stop_at_step", "5"], tmp_path).check()
+    assert "reusing cached plan" in first.output
+    resumed = run_training(4, args, tmp_path).check()
+    assert "loaded checkpoint step-5" in resumed.output
+    losses = resumed.losses()
+    assert {s: losses[s] for s in range(6, 11)} == {s: full[s] for s in range(6, 11)}
+
+
+def test_manual_llama3_continues_from_auto_checkpoint(dp2_tp2_run, tmp_path):
+    shutil.copytree(dp2_tp2_run.dump_folder / "checkpoint" / "step-5",
+                    tmp_path / "checkpoint" / "step-5")
+    manual = run_training(
+        4, ["--model.name", "llama3", *MESHES["dp2_tp2"], *CKPT], tmp_path).check()
+    assert "loaded checkpoint step-5" in manual.output
+    full = dp2_tp2_run.losses()
+    losses = manual.losses()
+    assert_losses_close({s: losses[s] for s in range(6, 11)}, {s: full[s] for s in range(6, 11)},
+                        rtol=1e-4, what="manual llama3 from auto checkpoint vs auto")

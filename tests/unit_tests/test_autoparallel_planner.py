@@ -1,0 +1,247 @@
+"""Planner unit tests: one process, fake process group, small models.
+
+Outcomes (FSDP-like, DDP-like, Megatron-like) come from the cost model and constraints; nothing
+here tells the planner which layout to pick.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration_tests"))
+from autoparallel_models import GPT2Block, MLPStack  # noqa: E402
+
+from torchtitan.autoparallel import (  # noqa: E402
+    AutoParallel, ConstraintError, CostModel, DEVICES, InfeasiblePlanError, LinkSpec, Plan,
+    PlannerError, UnsupportedOpError,
+)
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_pg():
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention + SwiGLU FFN."""
+
+    def __init__(self, dim=64, heads=4, hidden=128):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.RMSNorm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.norm2 = nn.RMSNorm(dim)
+        self.ffn = SwiGLU(dim, hidden)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.wqkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        h = x + self.wo(a)
+        return h + self.ffn(self.norm2(h))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def meta(cls, *a, **kw):
+    with torch.device("meta"):
+        return cls(*a, **kw)
+
+
+def plan_for(model, input_shape, mesh, high, cost_model="h100", pins=None, dtype=torch.float32):
+    with AutoParallel(model, lambda: torch.randn(*input_shape, dtype=dtype), mesh,
+                      cost_model=cost_model) as autop:
+        autop.add_parameter_memory_constraint(high=high)
+        pin = pins or tuple(Shard(0) if i == 0 else Replicate() for i in range(mesh.ndim))
+        autop.add_input_constraints([pin])
+        autop.add_output_constraints([pin])
+        return autop.optimize_placement(), autop
+
+
+def test_block_fsdp_with_small_budget():
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    plan, _ = plan_for(meta(Block), (16, 32, 64), mesh, high=1 / WORLD)
+    for fqn, pl in plan.params.items():
+        assert pl.startswith("S("), f"{fqn} should be sharded, got {pl}"
+    assert plan.predicted["param_fraction"] == pytest.approx(1 / WORLD)
+    assert plan.grads == plan.params  # gradients leave in the parameters' placement
+
+
+def test_block_ddp_without_budget():
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    plan, _ = plan_for(meta(Block), (16, 32, 64), mesh, high=1.0)
+    assert set(plan.params.values()) == {"R"}, plan.params
+    assert plan.inputs == ["S(0)"] and plan.outputs == ["S(0)"]
+
+
+def test_swiglu_megatron_when_tp_is_cheap():
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    fast_tp = CostModel(device=DEVICES["h100"], links=[LinkSpec(20.0, 25.0), LinkSpec(1.0, 5000.0)])
+    plan, _ = plan_for(meta(SwiGLU, 1024, 4096), (8, 512, 1024), mesh, high=1 / 8, cost_model=fast_tp)
+    tp = {f: pl.split(",")[1] for f, pl in plan.params.items()}
+    assert tp == {"w1.weight": "S(0)", "w3.weight": "S(0)", "w2.weight": "S(1)"}, plan.params
+
+
+def test_plan_table_json_roundtrip_and_apply(tmp_path):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    plan, autop = plan_for(meta(MLPStack), (8, 4, 32), mesh, high=None)
+    text = plan.table()
+    assert "layers.0.0.weight" in text and "dp(2)" in text and "communication" in text
+    for stage in ("trace", "strategies", "build", "solve"):
+        assert stage in plan.timings
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    pm = autop.apply_placement(loaded)
+    assert "apply" in loaded.timings
+    names = [n for n, _ in pm.named_parameters()]
+    assert names == [n for n, _ in MLPStack().named_parameters()]
+    for n, p in pm.named_parameters():
+        assert isinstance(p, DTensor) and ",".join(
+            "R" if isinstance(x, Replicate) else f"S({x.dim})" for x in p.placements) == plan.params[n]
+    assert isinstance(pm, MLPStack)
+
+
+def test_gpt2_block_plans_on_2d_mesh():
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    with AutoParallel(meta(GPT2Block), lambda: torch.randint(0, 64, (8, 16)), mesh) as autop:
+        autop.add_parameter_memory_constraint()
+        autop.add_input_constraints([(Shard(0), Replicate())])
+        plan = autop.optimize_placement()
+    assert plan.solver["optimal"]
+    assert plan.inputs == ["S(0),R"]
+    assert all(pl != "R,R" for pl in plan.params.values())
+
+
+# ---------------------------------------------------------------- bad input
+def test_model_not_on_meta():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with pytest.raises(PlannerError, match="meta device: parameter 'w1.weight'"):
+        AutoParallel(SwiGLU(8, 16), lambda: torch.randn(4, 8), mesh)
+
+
+def test_pin_with_wrong_number_of_mesh_dims():
+    mesh = init_device_mesh("cpu", (2, 4))
+    with AutoParallel(meta(SwiGLU, 8, 16), lambda: torch.randn(4, 8), mesh) as autop:
+        with pytest.raises(ConstraintError, match=r"input 0: 1 placement\(s\) S\(0\) for a 2-D mesh"):
+            autop.add_input_constraints([(Shard(0),)])
+
+
+def test_contradictory_pins():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with AutoParallel(meta(SwiGLU, 64, 128), lambda: torch.randn(16, 64), mesh) as autop:
+        autop.add_parameter_memory_constraint(high=1 / WORLD)
+        autop.add_parameter_constraint("w2.weight", (Replicate(),))
+        autop.add_input_constraints([(Shard(0),)])
+        with pytest.raises(InfeasiblePlanError) as e:
+            autop.optimize_placement()
+    msg = str(e.value)
+    assert "parameter 'w2.weight' pinned to R" in msg and "parameter memory budget" in msg
+    assert "input 0" not in msg and "\n" not in msg
+
+
+class Renormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.renorm(self.lin(x), 2, 0, 1.0)
+
+
+def test_unsupported_op_is_named():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with AutoParallel(meta(Renormed), lambda: torch.randn(16, 8), mesh) as autop:
+        with pytest.raises(UnsupportedOpError, match=r"aten\.renorm\.default at node 'renorm'"):
+            autop.optimize_placement()
+
+
+def test_apply_rejects_wrong_local_input_shape():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan, autop = plan_for(meta(SwiGLU, 16, 32), (16, 16), mesh, high=None)
+    pm = autop.apply_placement(plan)
+    pm.to_empty(device="cpu")
+    with pytest.raises(PlannerError, match=r"input 0 has local shape \(16, 16\), expected \(2, 16\)"):
+        pm(torch.randn(16, 16))
+
+
+def test_mixed_precision_gathers_low_and_reduces_high():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with AutoParallel(meta(MLPStack, 512, 2048), lambda: torch.randn(32, 512, 512), mesh,
+                      mp_policy=mp) as autop:
+        autop.add_parameter_memory_constraint()
+        autop.add_input_constraints([(Shard(0),)])
+        plan = autop.optimize_placement()
+        tg = autop.tg
+    for fqn, pnode in tg.params.items():
+        casts = [u for u in pnode.users if u.target == torch.ops.aten._to_copy.default]
+        assert casts and casts[0].meta["val"].dtype == torch.bfloat16
+        # the cast reads the parameter where it lives: any gather happens after it, in bf16
+        assert plan.nodes[casts[0].name]["ins"] == [plan.params[fqn]]
+        g = tg.grads[fqn]
+        assert g.target == torch.ops.aten._to_copy.default and g.meta["val"].dtype == torch.float32
+        if pnode.meta["val"].ndim == 2:
+            # the gradient is still a partial sum after the fp32 cast: reduced in fp32
+            assert plan.nodes[g.name]["out"] == ["P(sum)"], (fqn, plan.nodes[g.name])
+            assert plan.grads[fqn] == plan.params[fqn]
+
+
+def test_plan_from_another_graph_is_rejected():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan, _ = plan_for(meta(SwiGLU, 16, 32), (16, 16), mesh, high=None)
+    with AutoParallel(meta(MLPStack), lambda: torch.randn(8, 4, 32), mesh) as other:
+        with pytest.raises(PlannerError, match="different traced graph"):
+            other.apply_placement(plan)
+
+
+def test_requires_context_manager():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    autop = AutoParallel(meta(SwiGLU, 8, 16), lambda: torch.randn(8, 8), mesh)
+    with pytest.raises(PlannerError, match="context manager"):
+        autop.optimize_placement()
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_buffer_mutation_is_named():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with pytest.raises(PlannerError, match=r"InputMutationAOTOutput \(bn\.running_mean\)"):
+        with AutoParallel(meta(WithBatchNorm), lambda: torch.randn(8, 3, 8, 8), mesh):
+            pass
