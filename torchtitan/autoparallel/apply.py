@@ -164,22 +164,21 @@ class GraphRunner:
         targets = self.ins.get(node.name, [])
         counter = iter(range(len(targets)))
 
-        def conv(a):
-            if isinstance(a, fx.Node):
-                v = env[a]
-                if isinstance(a.meta.get("val"), torch.Tensor):
-                    k = next(counter, None)
-                    if isinstance(v, _ParamCast):
-                        return v.get(targets[k] if k is not None else None)
-                    if k is not None and isinstance(v, DTensor) and targets[k] is not None:
-                        v = self._redistribute(v, targets[k])
-                return v
-            if isinstance(a, (list, tuple)):
-                return type(a)(conv(x) for x in a)
-            return a
+        def convert(a: fx.Node):
+            # Not recursive (fx.map_arg walks nested args): a self-referencing closure
+            # would form a reference cycle holding `env`, i.e. every activation, until
+            # the garbage collector ran.
+            v = env[a]
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                k = next(counter, None)
+                if isinstance(v, _ParamCast):
+                    return v.get(targets[k] if k is not None else None)
+                if k is not None and isinstance(v, DTensor) and targets[k] is not None:
+                    v = self._redistribute(v, targets[k])
+            return v
 
-        args_ = tuple(conv(a) for a in node.args)
-        kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+        args_ = tuple(fx.node.map_arg(node.args, convert))
+        kwargs = dict(fx.node.map_arg(node.kwargs, convert))
         if not any(isinstance(x.meta.get("val"), torch.Tensor) for x in node.all_input_nodes):
             if "device" in kwargs and device is not None:
                 kwargs["device"] = device
@@ -267,8 +266,14 @@ class _JointFunction(torch.autograd.Function):
             for node in runner.order:
                 runner._exec(node, env, device, param_casts=False)
         ctx.runner, ctx.env, ctx.keys, ctx.device = runner, env, keys, device
-        return tuple(runner._redistribute(env[n], runner.output_pls[i])
-                     for i, n in enumerate(runner.tg.outputs))
+        outs = []
+        for i, n in enumerate(runner.tg.outputs):
+            out = runner._redistribute(env[n], runner.output_pls[i])
+            # Autograd gives each returned tensor this node as grad_fn; returning a tensor
+            # ctx.env also holds would make a cycle (tensor -> node -> ctx.env -> tensor)
+            # that only the garbage collector frees, and the trainer runs it rarely.
+            outs.append(out.view_as(out) if out is env[n] else out)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
