@@ -28,6 +28,7 @@ from .apply import GraphRunner, build_parallel_module
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
+from .memory import plan_memory
 from .plan import Plan, graph_fingerprint
 from .solver import PlacementSolver, UserConstraint, prune_unreachable
 from .strategies import build_strategies
@@ -119,6 +120,16 @@ class AutoParallel:
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
 
+    def prepare(self) -> None:
+        """Enumerate strategies, prune and group repeated nodes now (otherwise done lazily by
+        the first `optimize_placement`); lets callers time the stages separately."""
+        self._require_entered()
+        self._prepare()
+
+    def clear_constraints(self) -> None:
+        """Drop every pin and budget added so far (to solve again under other constraints)."""
+        self._constraints = []
+
     def _require_entered(self) -> None:
         if self.tg is None:
             raise PlannerError("use AutoParallel as a context manager ('with AutoParallel(...) as autop')")
@@ -154,6 +165,16 @@ class AutoParallel:
         self._constraints = [c for c in self._constraints if c.kind != "mem"]
         self._constraints.append(UserConstraint(
             f"parameter memory budget low={low} high={high:.4g}", "mem", low=low, high=high))
+
+    def add_memory_constraint(self, bytes_per_rank: int | float) -> None:
+        """Bound predicted bytes per rank: parameters + gradients + AdamW state (2 fp32 per
+        element) + saved activations (forward tensors the backward reads), see memory.py."""
+        self._require_entered()
+        if not bytes_per_rank or bytes_per_rank <= 0:
+            raise ConstraintError(f"memory budget must be a positive number of bytes, got {bytes_per_rank}")
+        self._constraints = [c for c in self._constraints if c.kind != "bytes"]
+        self._constraints.append(UserConstraint(
+            f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank", "bytes", high=float(bytes_per_rank)))
 
     def add_input_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened input (None leaves that input free)."""
@@ -277,8 +298,14 @@ class AutoParallel:
             param_shapes={f: list(n.meta["val"].shape) for f, n in tg.params.items()},
             param_comm_us=param_comm,
             predicted={"compute_us": sol.compute_us, "comm_us": sol.comm_us,
+                       # parameter gathers / gradient reductions hide behind up to
+                       # overlap_efficiency x compute; activation communication is exposed
+                       "overlappable_comm_us": sol.overlappable_comm_us,
+                       "exposed_comm_us": sol.exposed_comm_us,
+                       "step_us": sol.compute_us + sol.exposed_comm_us,
                        "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
-                       "param_fraction": (local / total) if total else 1.0},
+                       "param_fraction": (local / total) if total else 1.0,
+                       **plan_memory(tg, table, sol.choice)},
             solver={"status": sol.status, "optimal": sol.optimal, "objective": sol.objective,
                     "num_vars": sol.num_vars, "num_rows": sol.num_rows},
             timings=dict(self.timings),

@@ -20,6 +20,7 @@ minimal conflicting set and report their names.
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import time
 from collections import defaultdict
@@ -65,6 +66,8 @@ class Solution:
     num_vars: int
     num_rows: int
     edge_comm: dict = field(default_factory=dict)  # (consumer node, arg k) -> us
+    overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
+    exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
 
 
 class _Model:
@@ -102,9 +105,11 @@ class _Model:
 
     def solve(self, time_limit: float, verbose: bool):
         h = highspy.Highs()
-        h.setOptionValue("output_flag", bool(verbose))
+        h.setOptionValue("output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG")))
         h.setOptionValue("time_limit", float(time_limit))
-        h.setOptionValue("mip_rel_gap", 1e-4)
+        # The root LP relaxation of these programs is nearly integral: a 0.1% gap stops at
+        # the root with a plan within 0.1% of optimal (observed: within 1e-6).
+        h.setOptionValue("mip_rel_gap", 1e-3)
         h.setOptionValue("threads", 1)
         lp = highspy.HighsLp()
         n = len(self.cost)
@@ -124,6 +129,8 @@ class _Model:
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in self.integer]
         h.passModel(lp)
+        if os.environ.get("AUTOPARALLEL_WRITE_MODEL"):
+            h.writeModel(os.environ["AUTOPARALLEL_WRITE_MODEL"])
         h.run()
         status = h.getModelStatus()
         sol = h.getSolution()
@@ -143,6 +150,34 @@ class PlacementSolver:
         self.no_comm_edges: set = set()
         # node -> representative sharing its variables (see cluster.py); None = no sharing
         self.rep: dict[fx.Node, fx.Node] | None = None
+        self._param_side: set | None = None
+
+    def param_side_nodes(self) -> set:
+        """Nodes on a parameter's single-input chain (param, cast, transpose, view) and on a
+        gradient's single-input chain back from the gradient output.  Communication on edges
+        out of the former / into the latter is parameter-side (overlappable with compute)."""
+        if self._param_side is None:
+            side = set()
+            for pnode in self.tg.params.values():
+                frontier = [pnode]
+                while frontier:
+                    n = frontier.pop()
+                    side.add(n)
+                    for u in n.users:
+                        ns = self.table.nodes.get(u)
+                        if ns is not None and len(ns.sources) == 1 and u not in side:
+                            frontier.append(u)
+            self._grad_side = set()
+            for g in self.tg.grads.values():
+                if g is None:
+                    continue
+                node = _resolve(g)[0]
+                while node in self.table.nodes and len(self.table.nodes[node].sources) == 1 \
+                        and node not in self._grad_side:
+                    self._grad_side.add(node)
+                    node = self.table.nodes[node].sources[0][0]
+            self._param_side = side
+        return self._param_side
 
     # ------------------------------------------------------------------
     def compute_cost(self, node: fx.Node, s: int) -> float:
@@ -202,6 +237,10 @@ class PlacementSolver:
             m.row([(x, 1.0) for x in xs], 1.0, 1.0)
 
         edge_vars: list[tuple[list, int, float]] = []  # (member edges, var, cost per member)
+        eta = est.cm.overlap_efficiency
+        pside = self.param_side_nodes()
+        gside = self._grad_side
+        ov_vars: set[int] = set()
 
         def producer_groups(src) -> dict[P.Placements, list[int]]:
             ns = table.nodes[src[0]]
@@ -218,6 +257,9 @@ class PlacementSolver:
             rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
             rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
             frozen = any(k in self.no_comm_edges for k in members)
+            key0 = members[0]
+            overlappable = eta > 0 and (src[0] in pside or key0[0] == "grad"
+                                        or (isinstance(key0[0], fx.Node) and key0[0] in gside))
             for o in prod:
                 for r in cons_groups:
                     if frozen and o != r:
@@ -227,7 +269,12 @@ class PlacementSolver:
                     c = est.comm_us(o, r, tuple(val.shape), val.element_size())
                     if c == INF:
                         continue
-                    y = m.var((c + (TIE_BREAK_US if o != r else 0.0)) * len(members), False)
+                    tie = TIE_BREAK_US if o != r else 0.0
+                    if overlappable:
+                        y = m.var((c * (1.0 - eta) + tie) * len(members), False)
+                        ov_vars.add(y)
+                    else:
+                        y = m.var((c + tie) * len(members), False)
                     edge_vars.append((members, y, c))
                     rows_o[o].append((y, 1.0))
                     rows_r[r].append((y, 1.0))
@@ -311,6 +358,17 @@ class PlacementSolver:
                     lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
                 m.row(terms, lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
                       hi_bound * (1 + 1e-9))
+            elif c.kind == "bytes":
+                # per-rank bytes (params, grads, optimizer state, saved activations), scaled
+                # by the budget so the row's coefficients are O(1)
+                from .memory import memory_terms, term_fraction
+                terms = []
+                for t in memory_terms(tg, table):
+                    xs = xvars[t.node]
+                    for s in range(len(xs)):
+                        terms.append((xs[s], t.full_bytes * term_fraction(t, table, s)
+                                      / c.high))
+                m.row(terms, -highspy.kHighsInf, 1.0)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         status, values, obj = m.solve(time_limit, verbose)
@@ -331,18 +389,21 @@ class PlacementSolver:
             s = max(range(len(xs)), key=lambda i: values[xs[i]])
             choice[node] = s
             compute += self.compute_cost(rep[node], s)
-        comm = 0.0
+        comm = ov_comm = 0.0
         edge_comm: dict = defaultdict(float)
         for members, v, c in edge_vars:
             if values[v] > 0.5:
                 for key in members:
                     comm += c
                     edge_comm[key] += c
+                if v in ov_vars:
+                    ov_comm += c * len(members)
+        exposed = (comm - ov_comm) + (1.0 - eta) * ov_comm
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
         return Solution(choice, sinks, grads, compute, comm, obj, str(status), optimal,
-                        len(m.cost), len(m.row_lo), dict(edge_comm))
+                        len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed)
 
     @staticmethod
     def _tie(m: _Model, w: dict, ns, xs: list[int]) -> None:
@@ -379,27 +440,50 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
     removed.  Placeholders keep all their options.
     """
     removed = 0
+    # Repeated layers repeat the same strategy lists and the same producer sets, so every
+    # answer is memoised across nodes: emitted placement sets per (strategy list, output),
+    # reachability per (emitted set, requirement, frozen), and the surviving list per
+    # (strategy list, emitted sets, frozen flags) — identical nodes keep sharing one list.
+    keep: list = []  # keeps memoised lists alive so their ids stay unique
+    emitted_memo: dict = {}
+    ok_memo: dict = {}
+    live_memo: dict = {}
+
+    def emitted_of(src):
+        ns_src = table.nodes[src[0]]
+        key = (id(ns_src.strategies), src[1])
+        e = emitted_memo.get(key)
+        if e is None:
+            keep.append(ns_src.strategies)
+            e = emitted_memo[key] = frozenset(
+                pl for pl in ns_src.out_placements(src[1]) if pl is not None)
+        return e
+
+    def ok(e, r, frozen):
+        if r is None:
+            return True
+        key = (e, r, frozen)
+        hit = ok_memo.get(key)
+        if hit is None:
+            hit = ok_memo[key] = any(
+                o == r or (not frozen and _direct(o, r) and _finite(o, r)) for o in e)
+        return hit
+
     for node, ns in table.nodes.items():
         if not ns.sources:
             continue
-        emitted = []
-        for src in ns.sources:
-            emitted.append({pl for pl in table.nodes[src[0]].out_placements(src[1]) if pl is not None})
-        vals = [_source_val(src) for src in ns.sources]
-        memo: dict = {}
-
-        def ok(k, r):
-            if r is None:
-                return True
-            hit = memo.get((k, r))
-            if hit is None:
-                frozen = (node, k) in no_comm_edges
-                hit = memo[(k, r)] = any(
-                    o == r or (not frozen and _direct(o, r) and _finite(o, r)) for o in emitted[k])
-            return hit
-
-        live = [st for st in ns.strategies if all(ok(k, r) for k, r in enumerate(st.ins))]
-        if len(live) != len(ns.strategies):
+        emitted = tuple(emitted_of(src) for src in ns.sources)
+        frozen = tuple((node, k) in no_comm_edges for k in range(len(ns.sources)))
+        key = (id(ns.strategies), emitted, frozen)
+        live = live_memo.get(key)
+        if live is None:
+            keep.append(ns.strategies)
+            live = [st for st in ns.strategies
+                    if all(ok(emitted[k], r, frozen[k]) for k, r in enumerate(st.ins))]
+            if len(live) == len(ns.strategies):
+                live = ns.strategies
+            live_memo[key] = live
+        if live is not ns.strategies:
             removed += len(ns.strategies) - len(live)
             ns.strategies = live
     return removed

@@ -18,6 +18,7 @@ candidate sets), so repeated layers cost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,5 +348,34 @@ class StrategyBuilder:
         return list(seen)
 
 
+def _zero_costs(src_strategy, dst_spec) -> list[float]:
+    return [0.0] * len(src_strategy.strategies)
+
+
+@contextlib.contextmanager
+def _no_dtensor_costs():
+    """DTensor's rules price every (input strategy, requirement) pair with its own
+    redistribution model while enumerating; we price edges ourselves (cost.py), so that work
+    (most of enumeration time on large meshes) is skipped by answering zeros."""
+    import importlib
+
+    mods = []
+    for name in ("utils", "_view_ops", "_math_ops", "_matrix_ops", "_tensor_ops", "single_dim_strategy",
+                 "_pointwise_ops", "_embedding_ops", "_conv_ops", "_random_ops", "_einsum_strategy"):
+        try:
+            mod = importlib.import_module(f"torch.distributed.tensor._ops.{name}")
+        except ImportError:
+            continue
+        if getattr(mod, "generate_redistribute_costs", None) is not None:
+            mods.append((mod, mod.generate_redistribute_costs))
+            mod.generate_redistribute_costs = _zero_costs
+    try:
+        yield
+    finally:
+        for mod, fn in mods:
+            mod.generate_redistribute_costs = fn
+
+
 def build_strategies(tg: TracedGraph, mesh: DeviceMesh) -> StrategyTable:
-    return StrategyBuilder(tg, mesh).build()
+    with _no_dtensor_costs():
+        return StrategyBuilder(tg, mesh).build()

@@ -1,0 +1,353 @@
+"""Dry-run the planner on a Llama3 flavor and a fake mesh, in one process, with no accelerator.
+
+    python scripts/plan.py --flavor 8B --mesh 8,8 --mesh-names dp,tp --device h100 \
+        --batch 8 --seq-len 2048 [--memory-gib 80] [--out-dir plan_out]
+
+The model is built on meta and traced under a fake process group (nothing is allocated).
+Prints the stage timings as they finish, the plan per parameter group (repeated layers
+collapsed), the predicted step time (compute / exposed communication) and memory per rank,
+and the same figures for torchtitan's hand-written plans on that mesh, priced by the same cost
+model: every parameter is pinned to the hand-written placement and the solver prices (and
+chooses) the rest of the graph.  Writes `plan.json` and `plan.html` (which tensor dim is split
+on which mesh dim, parameter by parameter, layer by layer) into `--out-dir`.
+
+Bad input prints one `error: ...` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import json
+import logging
+import re
+import resource
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+# the hand-written baselines: which linear layers torchtitan's Megatron TP plan splits how
+COLWISE = ("wq", "wk", "wv", "w1", "w3")
+ROWWISE = ("wo", "w2")
+DEVICES = ("cpu", "a100", "h100", "h200")
+HBM_GIB = {"cpu": 24.0, "a100": 80.0, "h100": 80.0, "h200": 141.0}  # default memory budget
+
+
+class BadInput(Exception):
+    pass
+
+
+def _progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--flavor", default="8B", help="llama3 flavor: debugmodel, 8B, 70B, 405B")
+    ap.add_argument("--mesh", default="8,8", help="mesh shape, e.g. 8 or 8,8")
+    ap.add_argument("--mesh-names", default=None, help="comma-separated names (default dp,tp)")
+    ap.add_argument("--device", default="h100", help="cost profile: " + "|".join(DEVICES))
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: dp size)")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=None, help="override n_layers (faster tracing)")
+    ap.add_argument("--vocab", type=int, default=None, help="override vocab_size")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="per-rank memory budget in GiB (params+grads+AdamW+activations); "
+                         "default: the device's memory (h100 80, h200 141, a100 80, cpu 24)")
+    ap.add_argument("--param-fraction", type=float, default=None,
+                    help="additionally bound parameter memory to this fraction of all parameters")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
+    ap.add_argument("--out-dir", default="plan_out")
+    ap.add_argument("--apply", action="store_true", help="also time apply_placement (fake mesh)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap.parse_args(argv)
+
+
+def validate(a):
+    from torchtitan.models.llama3.args import llama3_configs
+
+    if a.flavor not in llama3_configs:
+        raise BadInput(f"unknown flavor '{a.flavor}'; known: {', '.join(llama3_configs)}")
+    if a.device.lower() not in DEVICES:
+        raise BadInput(f"unknown device '{a.device}'; known: {', '.join(DEVICES)}")
+    try:
+        shape = tuple(int(x) for x in a.mesh.split(","))
+    except ValueError:
+        raise BadInput(f"--mesh must be comma-separated integers, got '{a.mesh}'") from None
+    if not shape or any(s <= 0 for s in shape):
+        raise BadInput(f"--mesh sizes must be positive, got {a.mesh}")
+    if a.mesh_names is None:
+        names = ("dp", "tp")[: len(shape)] if len(shape) <= 2 else tuple(f"d{i}" for i in range(len(shape)))
+    else:
+        names = tuple(x.strip() for x in a.mesh_names.split(","))
+        if len(names) != len(shape):
+            raise BadInput(f"--mesh-names has {len(names)} name(s) for a {len(shape)}-D mesh {a.mesh}")
+        if len(set(names)) != len(names) or not all(names):
+            raise BadInput(f"--mesh-names must be distinct and non-empty, got '{a.mesh_names}'")
+    for opt in ("batch", "seq_len", "layers", "vocab"):
+        v = getattr(a, opt)
+        if v is not None and v <= 0:
+            raise BadInput(f"--{opt.replace('_', '-')} must be positive, got {v}")
+    if a.memory_gib is not None and a.memory_gib <= 0:
+        raise BadInput(f"--memory-gib must be positive, got {a.memory_gib}")
+    if a.param_fraction is not None and not (0 < a.param_fraction <= 1):
+        raise BadInput(f"--param-fraction must be in (0, 1], got {a.param_fraction}")
+    return shape, names
+
+
+# ---------------------------------------------------------------------------- hand-written
+def _dp_dim(names) -> int:
+    return names.index("dp") if "dp" in names else 0
+
+
+def _tp_dim(names):
+    return names.index("tp") if "tp" in names else (1 if len(names) == 2 else None)
+
+
+def fsdp_plan(params, names):
+    """FSDP: every parameter Shard(0) on dp, replicated elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dp = _dp_dim(names)
+    return {f: tuple(Shard(0) if d == dp else Replicate() for d in range(len(names))) for f in params}
+
+
+def fsdp_tp_plan(params, names):
+    """torchtitan's FSDP + Megatron TP (sequence parallel): colwise wq/wk/wv/w1/w3 and the
+    output projection Shard(0) on tp, rowwise wo/w2 Shard(1) on tp, the embedding Shard(0) on
+    tp (rowwise), norms replicated on tp; Shard(0) on dp for all."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dp, tp = _dp_dim(names), _tp_dim(names)
+    out = {}
+    for f, shape in params.items():
+        leaf = f.split(".")[-2] if f.endswith(".weight") else f.split(".")[-1]
+        if leaf in COLWISE or leaf in ("output", "tok_embeddings"):
+            on_tp = Shard(0)
+        elif leaf in ROWWISE:
+            on_tp = Shard(1)
+        else:
+            on_tp = Replicate()
+        out[f] = tuple(Shard(0) if d == dp else on_tp if d == tp else Replicate() for d in range(len(names)))
+    return out
+
+
+# ---------------------------------------------------------------------------- reporting
+def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
+    """Group parameters whose FQN differs only in integer components and whose placement is
+    equal: 'layers.{0..31}.attention.wq.weight'."""
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    for fqn, pl in params.items():
+        parts = fqn.split(".")
+        idx = [p for p in parts if p.isdigit()]
+        key = (".".join("*" if p.isdigit() else p for p in parts), pl, tuple(shapes.get(fqn, ())))
+        groups.setdefault(key, []).append(int(idx[0]) if idx else -1)
+    rows = []
+    for (pattern, pl, shape), ids in groups.items():
+        ids = sorted(i for i in ids if i >= 0)
+        if ids:
+            rng = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+            name = pattern.replace("*", "{" + rng + "}", 1)
+        else:
+            name = pattern
+        rows.append((name, "x".join(map(str, shape)), pl, len(ids) or 1))
+    return rows
+
+
+def describe(pl: str, names) -> str:
+    parts = pl.split(",")
+    return ", ".join(f"{n}:{p}" for n, p in zip(names, parts))
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def summary_line(label: str, plan) -> str:
+    p = plan.predicted
+    comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
+    mem = p.get("peak_bytes_per_rank")
+    mem_s = "" if mem is None else (
+        f" | memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
+        f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
+        f"activations {gib(p['activation_bytes_per_rank'])})")
+    return (f"{label:<14} step {(comp + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms "
+            f"+ exposed comm {comm / 1e3:9.2f} ms{mem_s}")
+
+
+def write_html(path: Path, plans: dict, names, mesh_shape, title: str) -> None:
+    colors = ["#e6f2ff", "#ffe0b3", "#c6f0c6", "#f0c6f0", "#fff3a0", "#d0d0ff"]
+
+    def cell(pl_item: str) -> str:
+        if pl_item == "R":
+            return '<td class="r">R</td>'
+        m = re.match(r"S\((-?\d+)\)", pl_item)
+        if m:
+            d = int(m.group(1))
+            return f'<td style="background:{colors[(d + 1) % len(colors)]}">split dim {d}</td>'
+        return f"<td>{html.escape(pl_item)}</td>"
+
+    out = [f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>",
+           "<style>body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse;margin:8px 0 24px}"
+           "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left}td.r{color:#999}"
+           "h2{margin-top:28px}</style>", f"<h1>{html.escape(title)}</h1>",
+           "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
+           "dim is split across that mesh dim (R = replicated).</p>"]
+    for label, plan in plans.items():
+        p = plan.predicted
+        out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
+        out.append("<table><tr><th>parameter</th><th>shape</th>" + "".join(
+            f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape)) + "</tr>")
+        for fqn, pl in plan.params.items():
+            shape = "x".join(map(str, plan.param_shapes.get(fqn, [])))
+            out.append(f"<tr><td>{html.escape(fqn)}</td><td>{shape}</td>"
+                       + "".join(cell(x) for x in pl.split(",")) + "</tr>")
+        out.append("</table>")
+    path.write_text("\n".join(out))
+
+
+# ---------------------------------------------------------------------------- main
+def run(a) -> int:
+    shape, names = validate(a)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.autoparallel import AutoParallel
+    from torchtitan.models.llama3.args import llama3_configs
+    from torchtitan.models.llama3.model import Transformer
+
+    if a.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    world = 1
+    for s in shape:
+        world *= s
+    dp = _dp_dim(names)
+    batch = a.batch if a.batch is not None else shape[dp]
+    if batch % shape[dp]:
+        raise BadInput(f"--batch {batch} is not divisible by the dp size {shape[dp]}")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    over = {"max_seq_len": a.seq_len}
+    if a.vocab:
+        over["vocab_size"] = a.vocab
+    if a.layers:
+        over["n_layers"] = a.layers
+    args = dataclasses.replace(llama3_configs[a.flavor], **over)
+    budget_gib = a.memory_gib if a.memory_gib is not None else HBM_GIB[a.device.lower()]
+    t_all = time.perf_counter()
+    with torch.device("meta"):
+        model = Transformer(args)
+    vocab = args.vocab_size
+    pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(shape)))
+    _progress(f"{a.flavor} ({args.n_layers} layers) on mesh {dict(zip(names, shape))}, "
+              f"batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} GiB/rank: tracing ...")
+    plans = OrderedDict()
+    with AutoParallel(model, lambda: torch.randint(0, vocab, (batch, a.seq_len)), mesh,
+                      cost_model=a.device.lower(), solver_time_limit=a.time_limit) as autop:
+        _progress(f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); strategies ...")
+        autop.prepare()
+        _progress(f"  strategies {autop.timings['strategies']:.2f}s, prune+cluster "
+                  f"{autop.timings.get('prune+cluster', 0.0):.2f}s; solving the automatic plan ...")
+
+        def constrain(param_pins=None):
+            autop.clear_constraints()
+            autop.add_input_constraints([pin])
+            autop.add_output_constraints([pin])
+            if param_pins is None:
+                autop.add_parameter_memory_constraint(high=a.param_fraction or 1.0)
+                autop.add_memory_constraint(int(budget_gib * 2**30))
+            else:
+                for fqn, pl in param_pins.items():
+                    autop.add_parameter_constraint(fqn, pl)
+
+        constrain()
+        plans["auto"] = autop.optimize_placement()
+        _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s")
+        if not a.no_baselines:
+            pshapes = {f: list(n.meta["val"].shape) for f, n in autop.tg.params.items()}
+            baselines = [("FSDP", fsdp_plan(pshapes, names))]
+            if len(shape) >= 2 and _tp_dim(names) is not None:
+                baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
+            for label, pins in baselines:
+                _progress(f"  pricing hand-written {label} ...")
+                constrain(pins)
+                plans[label] = autop.optimize_placement()
+                _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s")
+        if a.apply:
+            _progress("  apply_placement ...")
+            try:
+                autop.apply_placement(plans["auto"])
+                _progress(f"  apply {autop.timings['apply']:.2f}s")
+            except Exception as e:  # timing only; the plan itself is still reported
+                _progress(f"  apply failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    total = time.perf_counter() - t_all
+
+    auto = plans["auto"]
+    print(f"\n== plan for llama3 {a.flavor} ({args.n_layers} layers) on mesh "
+          f"{' x '.join(f'{n}={s}' for n, s in zip(names, shape))}, device {a.device}, "
+          f"batch {batch} x seq {a.seq_len}")
+    rows = collapse(auto.params, auto.param_shapes)
+    w = max(len(r[0]) for r in rows)
+    ws = max(len(r[1]) for r in rows)
+    print(f"{'parameter group':<{w}}  {'shape':<{ws}}  placement")
+    for name, shp, pl, _n in rows:
+        print(f"{name:<{w}}  {shp:<{ws}}  {describe(pl, names)}")
+    print(f"inputs {auto.inputs}  outputs {auto.outputs}")
+    print()
+    for label, plan in plans.items():
+        print(summary_line(label, plan))
+    if len(plans) > 1:
+        best_label, best = min(((k, v) for k, v in plans.items() if k != "auto"),
+                               key=lambda kv: kv[1].predicted["step_us"])
+        ratio = auto.predicted["step_us"] / best.predicted["step_us"]
+        print(f"auto / best hand-written ({best_label}) predicted step: {ratio:.3f}")
+    t = auto.timings
+    print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+          + f"; total {total:.2f}s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    s = auto.solver
+    print(f"solver: {s.get('status')} optimal={s.get('optimal')} vars={s.get('num_vars')} rows={s.get('num_rows')}")
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    auto.save(out / "plan.json")
+    (out / "baselines.json").write_text(json.dumps(
+        {k: {"params": v.params, "predicted": v.predicted} for k, v in plans.items() if k != "auto"}, indent=1))
+    write_html(out / "plan.html", plans, names, shape,
+               f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}")
+    summary = {"flavor": a.flavor, "layers": args.n_layers, "mesh": list(shape), "names": list(names),
+               "device": a.device, "batch": batch, "seq_len": a.seq_len, "timings": dict(auto.timings),
+               "total_s": total,
+               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "predicted": {k: v.predicted for k, v in plans.items()},
+               "params": {k: v.params for k, v in plans.items()}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'plan.json'}, {out / 'baselines.json'}, {out / 'plan.html'}, {out / 'summary.json'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        a = parse_args(argv)
+        return run(a)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # planner errors (infeasible budget, ...) are user-facing too
+        from torchtitan.autoparallel.errors import PlannerError
+
+        if isinstance(e, PlannerError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Per-rank memory model: parameters, gradients, optimizer state and saved activations.
+
+Bytes per rank of a plan = sum over parameters of local bytes x (1 parameter + 1 gradient)
++ local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes) + sum over saved
+activations of their local bytes.  Saved activations are read off the joint graph: the
+outputs of forward nodes consumed by a backward node (what autograd keeps alive between
+forward and backward); a saved view counts as its base, counted once.  All of them are
+assumed alive at once (the forward/backward boundary), which is where a training step
+without activation checkpointing peaks.  Temporary buffers inside one op are not counted.
+
+Every term is linear in the strategy choice of one node, so the budget is one linear row
+of the 0/1 program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from . import placements as P
+from .strategies import StrategyTable, resolve_source
+from .trace import TracedGraph
+
+ADAMW_BYTES_PER_ELEM = 8  # exp_avg + exp_avg_sq in fp32
+
+
+@dataclass
+class MemoryTerm:
+    node: fx.Node  # strategy node whose choice decides the local size
+    idx: int  # output index of that node
+    full_bytes: float  # bytes of the global tensor, times the per-element multiplier
+    kind: str  # "param" | "activation"
+
+
+def _base(src):
+    node, idx = src
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
+        node, idx = resolve_source(node.args[0])
+    return node, idx
+
+
+def saved_activations(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
+    """(producer, output index) of every forward tensor the backward reads (views -> base)."""
+    fwd = tg.forward_nodes
+    params = set(tg.params.values()) | set(tg.buffers.values())
+    seen: dict = {}
+    for node in tg.gm.graph.nodes:
+        if node in fwd or node.op != "call_function":
+            continue
+        for a in node.all_input_nodes:
+            if a not in fwd:
+                continue
+            src = _base(resolve_source(a))
+            if src[0] in params or src[0] not in table.nodes:
+                continue
+            v = src[0].meta.get("val")
+            if isinstance(v, (list, tuple)):
+                v = v[src[1]]
+            if isinstance(v, torch.Tensor):
+                seen[src] = True
+    return list(seen)
+
+
+def memory_terms(tg: TracedGraph, table: StrategyTable,
+                 optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM) -> list[MemoryTerm]:
+    terms = []
+    for pnode in tg.params.values():
+        v = pnode.meta["val"]
+        per_elem = 2 * v.element_size() + optim_bytes_per_elem
+        terms.append(MemoryTerm(pnode, 0, float(v.numel() * per_elem), "param"))
+    for node, idx in saved_activations(tg, table):
+        v = node.meta["val"]
+        if isinstance(v, (list, tuple)):
+            v = v[idx]
+        terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation"))
+    return terms
+
+
+def term_fraction(term: MemoryTerm, table: StrategyTable, s: int) -> float:
+    st = table.nodes[term.node].strategies[s]
+    pl = st.out[term.idx] if term.idx < len(st.out) else None
+    if pl is None:
+        return 1.0
+    v = term.node.meta["val"]
+    if isinstance(v, (list, tuple)):
+        v = v[term.idx]
+    return P.shard_fraction(v.shape, pl, table.mesh_shape)
+
+
+def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
+                optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM) -> dict[str, float]:
+    """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index)."""
+    out = {"param_bytes_per_rank": 0.0, "grad_bytes_per_rank": 0.0, "optim_bytes_per_rank": 0.0,
+           "activation_bytes_per_rank": 0.0}
+    for t in memory_terms(tg, table, optim_bytes_per_elem):
+        f = term_fraction(t, table, choice[t.node])
+        if t.kind == "param":
+            v = t.node.meta["val"]
+            local = v.numel() * f
+            out["param_bytes_per_rank"] += local * v.element_size()
+            out["grad_bytes_per_rank"] += local * v.element_size()
+            out["optim_bytes_per_rank"] += local * optim_bytes_per_elem
+        else:
+            out["activation_bytes_per_rank"] += t.full_bytes * f
+    out["peak_bytes_per_rank"] = sum(out.values())
+    return out
