@@ -96,8 +96,13 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
     base = [*AUTO, *MESHES["dp4"], "--compile.enable", "--compile.force_disable_caches"]
     env = {"TORCH_LOGS": "output_code"}
     plain = run_training(4, [*base, "--training.steps", "2"], tmp_path / "plain", env=env).check()
-    tuned = run_training(4, [*base, *COMMS_KNOBS], tmp_path / "tuned", env=env).check()
+    tuned = run_training(4, [*base, *COMMS_KNOBS, "--training.steps", "4"], tmp_path / "tuned",
+                         env=env).check()
     gathers = [_collective_calls(r.output, "all_gather_into_tensor") for r in (plain, tuned)]
     assert gathers[0] > 0 and gathers[1] < gathers[0], gathers
     assert "inductor comms settings" in tuned.output
-    assert_losses_close(tuned.losses(), GOLDEN, rtol=1e-4, what="compiled auto dp4 + knobs vs 1 rank")
+    # 4 steps (compile dominates the cost): the LR schedule of a 4-step run differs from
+    # the 10-step golden run from step 3 on, which first shows in step 4's loss.
+    losses = tuned.losses()
+    assert_losses_close({s: losses[s] for s in (1, 2, 3)}, {s: GOLDEN[s] for s in (1, 2, 3)},
+                        rtol=1e-4, what="compiled auto dp4 + knobs vs 1 rank")

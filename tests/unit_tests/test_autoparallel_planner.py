@@ -31,9 +31,9 @@ WORLD = 8
 
 @pytest.fixture(scope="module", autouse=True)
 def fake_pg():
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     yield
+    dist.destroy_process_group()  # later test modules expect no process group
 
 
 class Block(nn.Module):
