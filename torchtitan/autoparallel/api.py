@@ -178,27 +178,22 @@ class AutoParallel:
 
     def add_input_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened input (None leaves that input free)."""
-        self._require_entered()
-        if len(placements) != len(self.tg.inputs):
-            raise ConstraintError(f"add_input_constraints: {len(placements)} pins for {len(self.tg.inputs)} inputs")
-        for i, pl in enumerate(placements):
-            if pl is None:
-                continue
-            pl = self._check_placements(f"input {i}", pl)
-            self._constraints.append(UserConstraint(f"input {i} pinned to {P.fmt(pl)}", "pin",
-                                                    node=self.tg.inputs[i], placement=pl))
+        self._pin_each("input", placements, lambda i, pl: UserConstraint(
+            f"input {i} pinned to {P.fmt(pl)}", "pin", node=self.tg.inputs[i], placement=pl))
 
     def add_output_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened forward output (None leaves it free)."""
+        self._pin_each("output", placements, lambda i, pl: UserConstraint(
+            f"output {i} pinned to {P.fmt(pl)}", "pin", sink=i, placement=pl))
+
+    def _pin_each(self, what: str, placements, make_constraint) -> None:
         self._require_entered()
-        if len(placements) != len(self.tg.outputs):
-            raise ConstraintError(f"add_output_constraints: {len(placements)} pins for {len(self.tg.outputs)} outputs")
+        count = len(self.tg.inputs if what == "input" else self.tg.outputs)
+        if len(placements) != count:
+            raise ConstraintError(f"add_{what}_constraints: {len(placements)} pins for {count} {what}s")
         for i, pl in enumerate(placements):
-            if pl is None:
-                continue
-            pl = self._check_placements(f"output {i}", pl)
-            self._constraints.append(UserConstraint(f"output {i} pinned to {P.fmt(pl)}", "pin",
-                                                    sink=i, placement=pl))
+            if pl is not None:
+                self._constraints.append(make_constraint(i, self._check_placements(f"{what} {i}", pl)))
 
     def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
         """Pin one parameter's placement (call before `optimize_placement`)."""
