@@ -272,7 +272,7 @@ def run(a) -> int:
         plans["auto"] = autop.optimize_placement()
         _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s")
         if not a.no_baselines:
-            pshapes = {f: list(n.meta["val"].shape) for f, n in autop.tg.params.items()}
+            pshapes = autop.param_shapes()
             baselines = [("FSDP", fsdp_plan(pshapes, names))]
             if len(shape) >= 2 and _tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))

@@ -245,3 +245,49 @@ def test_buffer_mutation_is_named():
     with pytest.raises(PlannerError, match=r"InputMutationAOTOutput \(bn\.running_mean\)"):
         with AutoParallel(meta(WithBatchNorm), lambda: torch.randn(8, 3, 8, 8), mesh):
             pass
+
+
+# ------------------------------------------------------------------ repeated blocks (repeat.py)
+def test_deep_stack_is_planned_from_a_shallow_trace_and_applied_to_every_block(tmp_path):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = meta(MLPStack, n_layers=6)
+    plan, autop = plan_for(model, (8, 4, 32), mesh, high=None)
+    assert plan.blocks and plan.blocks[0]["container"] == "layers"
+    # the traced graph holds 3 of the 6 blocks; the plan names every parameter of all 6
+    traced = {f.split(".")[1] for f in autop.tg.params if f.startswith("layers.")}
+    assert traced == {"0", "1", "2"}
+    assert list(plan.params) == [f for f, _ in MLPStack(n_layers=6).named_parameters()]
+    interior = {plan.params[f"layers.{i}.0.weight"] for i in range(1, 5)}
+    assert len(interior) == 1  # blocks 1..4 share the plan of traced block 1
+    plan.save(tmp_path / "plan.json")
+    pm = autop.apply_placement(Plan.load(tmp_path / "plan.json"))  # traces all 6, maps nodes
+    assert "trace_full" in autop.timings
+    for n, p in pm.named_parameters():
+        assert ",".join("R" if isinstance(x, Replicate) else f"S({x.dim})" for x in p.placements) \
+            == plan.params[n], n
+
+
+class BranchesOnDepth(nn.Module):
+    """Identical blocks whose forward differs by position: a shallow trace cannot stand for it."""
+
+    def __init__(self, dim=32, n=5):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                x = torch.tanh(x)
+        return x
+
+
+def test_blocks_that_differ_at_run_time_are_reported():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan, autop = plan_for(meta(BranchesOnDepth), (16, 32), mesh, high=None)
+    with pytest.raises(PlannerError, match="do not trace identically.*share_repeated=False"):
+        autop.apply_placement(plan)
+    with AutoParallel(meta(BranchesOnDepth), lambda: torch.randn(16, 32), mesh,
+                      share_repeated=False) as exact:
+        exact.add_input_constraints([(Shard(0),)])
+        assert not exact.apply_placement(exact.optimize_placement()) is None

@@ -14,6 +14,7 @@ JSON) and returns the parallel module.  Stage timings are logged and stored in `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from . import placements as P
+from . import repeat
 from .apply import GraphRunner, build_parallel_module
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
@@ -89,9 +91,32 @@ class AutoParallel:
     # ------------------------------------------------------------------
     def __enter__(self) -> "AutoParallel":
         t = time.perf_counter()
-        self.tg = trace_joint(self.model, self.input_fn, self.param_dtype)
+        # stacks of identical blocks are planned from a shallow copy (repeat.py)
+        self.blocks = repeat.find_repeated_blocks(self.model) if self.share_repeated else []
+        self.tg = trace_joint(self.model, self.input_fn, self.param_dtype, self.blocks,
+                              shallow=bool(self.blocks))
+        self._full_tg = None if self.blocks else self.tg
         self.timings["trace"] = time.perf_counter() - t
+        if self.blocks:
+            log.info("repeated blocks: %s; traced the first, second and last of each",
+                     ", ".join(f"{b.container} x{len(b.keys)}" for b in self.blocks))
         return self
+
+    def param_shapes(self) -> dict[str, list[int]]:
+        """Shape of every parameter of the model, by its fully qualified name."""
+        return {f: list(p.shape) for f, p in self.model.named_parameters()}
+
+    def _traced_name(self, fqn: str) -> str:
+        """Name in the traced graph of the model's parameter/buffer `fqn`."""
+        return repeat.reduced_fqn(fqn, self.blocks) if self.tg.shallow else fqn
+
+    def full_graph(self):
+        """The joint graph of the whole model (traced on first use when planning was shallow)."""
+        if self._full_tg is None:
+            t = time.perf_counter()
+            self._full_tg = trace_joint(self.model, self.input_fn, self.param_dtype, self.blocks)
+            self.timings["trace_full"] = time.perf_counter() - t
+        return self._full_tg
 
     def __exit__(self, *exc) -> None:
         return None
@@ -198,11 +223,19 @@ class AutoParallel:
     def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
         """Pin one parameter's placement (call before `optimize_placement`)."""
         self._require_entered()
-        if fqn not in self.tg.params:
+        if fqn not in self.param_shapes():
             raise ConstraintError(f"no parameter named '{fqn}'")
         pl = self._check_placements(f"parameter '{fqn}'", placements)
+        node = self.tg.params[self._traced_name(fqn)]
+        for c in self._constraints:
+            if c.kind == "pin" and c.node is node:
+                if c.placement != pl:
+                    raise ConstraintError(
+                        f"parameter '{fqn}' pinned to {P.fmt(pl)}, but {c.name}: identical "
+                        "repeated blocks share one placement (use share_repeated=False)")
+                return
         self._constraints.append(UserConstraint(f"parameter '{fqn}' pinned to {P.fmt(pl)}", "pin",
-                                                node=self.tg.params[fqn], placement=pl))
+                                                node=node, placement=pl))
 
     # ------------------------------------------------------------------ mixed precision
     def _mp_no_comm_edges(self) -> set:  # needs self.table
@@ -267,9 +300,13 @@ class AutoParallel:
             st = pick(node)
             nodes[node.name] = {"op": str(node.target), "ins": [P.fmt(p) for p in st.ins],
                                 "out": [P.fmt(p) for p in st.out]}
+            if tg.shallow:
+                nodes[node.name]["block"] = tg.labels.get(node)
         fwd_comm = bwd_comm = 0.0
         for key, us in sol.edge_comm.items():
             node = key[0] if isinstance(key[0], torch.fx.Node) else None
+            us *= tg.weight(node) if node is not None else (
+                tg.weight(tg.params[key[1]]) if key[0] == "grad" else 1)
             if node is not None and node in tg.forward_nodes:
                 fwd_comm += us
             elif key[0] == "output":
@@ -277,21 +314,27 @@ class AutoParallel:
             else:
                 bwd_comm += us
         param_comm = self._param_comm(sol)
-        total = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in tg.params.values())
-        local = sum(n.meta["val"].numel() * n.meta["val"].element_size() *
-                    P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
+        nbytes = lambda n: n.meta["val"].numel() * n.meta["val"].element_size() * tg.weight(n)  # noqa: E731
+        total = sum(nbytes(n) for n in tg.params.values())
+        local = sum(nbytes(n) * P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
                     for n in tg.params.values())
         names = list(self.mesh.mesh_dim_names or [f"dim{i}" for i in range(self.mesh.ndim)])
+        # parameters and buffers of the whole model, each read off the traced one standing for it
+        full_params = list(self.param_shapes())
+        full_buffers = [f for f, _b in self.model.named_buffers()]
+        traced = self._traced_name
+        grads = {f: P.fmt(pl) for f, pl in sol.grad_placement.items()}
         return Plan(
             mesh_shape=list(self.mesh.shape), mesh_dim_names=names,
-            params={f: P.fmt(pick(n).out[0]) for f, n in tg.params.items()},
-            grads={f: P.fmt(pl) for f, pl in sol.grad_placement.items()},
-            buffers={f: P.fmt(pick(n).out[0]) for f, n in tg.buffers.items()},
+            params={f: P.fmt(pick(tg.params[traced(f)]).out[0]) for f in full_params},
+            grads={f: grads[traced(f)] for f in full_params if traced(f) in grads},
+            buffers={f: P.fmt(pick(tg.buffers[traced(f)]).out[0]) for f in full_buffers
+                     if traced(f) in tg.buffers},
             inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
             outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
             nodes=nodes,
-            param_shapes={f: list(n.meta["val"].shape) for f, n in tg.params.items()},
-            param_comm_us=param_comm,
+            param_shapes=self.param_shapes(),
+            param_comm_us={f: param_comm[traced(f)] for f in full_params if traced(f) in param_comm},
             predicted={"compute_us": sol.compute_us, "comm_us": sol.comm_us,
                        # parameter gathers / gradient reductions hide behind up to
                        # overlap_efficiency x compute; activation communication is exposed
@@ -305,6 +348,7 @@ class AutoParallel:
                     "num_vars": sol.num_vars, "num_rows": sol.num_rows},
             timings=dict(self.timings),
             graph_fingerprint=graph_fingerprint(tg.gm),
+            blocks=[b.to_json() for b in self.blocks] if tg.shallow else [],
         )
 
     def _param_comm(self, sol) -> dict[str, float]:
@@ -337,11 +381,23 @@ class AutoParallel:
             plan = self.optimize_placement()
         if not isinstance(plan, Plan):
             raise PlannerError(f"apply_placement expects a Plan, got {type(plan).__name__}")
+        tg = self.tg
+        if plan.blocks:  # planned on a shallow trace: run it on the whole model's graph
+            tg = self.full_graph()
+            plan = expand_plan(plan, tg)
         t = time.perf_counter()
-        runner = GraphRunner(self.tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction,
+        runner = GraphRunner(tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction,
                              self.backward)
-        pm = build_parallel_module(self.model, self.tg, plan, self.mesh, runner)
+        pm = build_parallel_module(self.model, tg, plan, self.mesh, runner)
         self.timings["apply"] = time.perf_counter() - t
         plan.timings["apply"] = self.timings["apply"]
         log.info("apply in %.2fs", self.timings["apply"])
         return pm
+
+
+def expand_plan(plan: Plan, full_tg) -> Plan:
+    """The plan of a shallow trace, re-keyed by the nodes of the whole model's graph."""
+    blocks = [repeat.RepeatedBlocks.from_json(b) for b in plan.blocks]
+    nodes = repeat.expand_nodes(plan.nodes, full_tg.gm, full_tg.labels, blocks)
+    return dataclasses.replace(plan, nodes=nodes, blocks=[],
+                               graph_fingerprint=graph_fingerprint(full_tg.gm))

@@ -9,7 +9,8 @@ assumed alive at once (the forward/backward boundary), which is where a training
 without activation checkpointing peaks.  Temporary buffers inside one op are not counted.
 
 Every term is linear in the strategy choice of one node, so the budget is one linear row
-of the 0/1 program.
+of the 0/1 program.  In a shallow trace (repeat.py) a term counts once per block it stands
+for (`TracedGraph.weight`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
     out = {"param_bytes_per_rank": 0.0, "grad_bytes_per_rank": 0.0, "optim_bytes_per_rank": 0.0,
            "activation_bytes_per_rank": 0.0}
     for t in memory_terms(tg, table, optim_bytes_per_elem):
-        f = term_fraction(t, table, choice[t.node])
+        f = term_fraction(t, table, choice[t.node]) * tg.weight(t.node)
         if t.kind == "param":
             v = t.node.meta["val"]
             local = v.numel() * f

@@ -35,6 +35,8 @@ class Plan:
     solver: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     graph_fingerprint: str = ""
+    # planned on a shallow trace (repeat.py): the repeated stacks, and nodes carry block labels
+    blocks: list[dict] = field(default_factory=list)
     version: int = 1
 
     # ---------------- serialisation ----------------

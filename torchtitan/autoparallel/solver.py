@@ -279,9 +279,15 @@ class PlacementSolver:
         t0 = time.perf_counter()
         tg, table, est = self.tg, self.table, self.est
         rep = self.rep if self.rep is not None else {n: n for n in table.nodes}
+        weight = tg.weight  # > 1 for a shallow trace's block standing for several (repeat.py)
         mult: dict[fx.Node, int] = defaultdict(int)
         for n in table.nodes:
-            mult[rep[n]] += 1
+            mult[rep[n]] += weight(n)
+
+        def member_weight(key) -> int:
+            if key[0] == "grad":
+                return weight(tg.params[key[1]])
+            return 1 if key[0] == "output" else weight(key[0])
         m = _Model()
         xvars: dict[fx.Node, list[int]] = {}
         for node in table.nodes:
@@ -315,6 +321,7 @@ class PlacementSolver:
             rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
             rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
             frozen = any(k in self.no_comm_edges for k in members)
+            count = sum(member_weight(k) for k in members)
             key0 = members[0]
             overlappable = eta > 0 and (src[0] in pside or key0[0] == "grad"
                                         or (isinstance(key0[0], fx.Node) and key0[0] in gside))
@@ -329,10 +336,10 @@ class PlacementSolver:
                         continue
                     tie = TIE_BREAK_US if o != r else 0.0
                     if overlappable:
-                        y = m.var((c * (1.0 - eta) + tie) * len(members), False)
+                        y = m.var((c * (1.0 - eta) + tie) * count, False)
                         ov_vars.add(y)
                     else:
-                        y = m.var((c + tie) * len(members), False)
+                        y = m.var((c + tie) * count, False)
                     edge_vars.append((members, y, c))
                     rows_o[o].append((y, 1.0))
                     rows_r[r].append((y, 1.0))
@@ -402,11 +409,11 @@ class PlacementSolver:
                     m.lb[xvars[c.node][idx[0]]] = 1.0
             elif c.kind == "mem":
                 # in units of all parameter bytes, so the row is well scaled for the solver
-                total = float(sum(self.param_bytes(n) for n in tg.params.values())) or 1.0
+                total = float(sum(self.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
                 terms, lo_bound, hi_bound = [], 0.0, 0.0
                 for fqn, pnode in tg.params.items():
                     ns = table.nodes[pnode]
-                    b = self.param_bytes(pnode) / total
+                    b = self.param_bytes(pnode) * weight(pnode) / total
                     fr = [P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
                           for st in ns.strategies]
                     for s, f in enumerate(fr):
@@ -424,7 +431,7 @@ class PlacementSolver:
                 for t in memory_terms(tg, table):
                     xs = xvars[t.node]
                     for s in range(len(xs)):
-                        terms.append((xs[s], t.full_bytes * term_fraction(t, table, s)
+                        terms.append((xs[s], t.full_bytes * weight(t.node) * term_fraction(t, table, s)
                                       / c.high))
                 m.row(terms, -highspy.kHighsInf, 1.0)
         build_s = time.perf_counter() - t0
@@ -446,16 +453,18 @@ class PlacementSolver:
         for node, xs in xvars.items():
             s = max(range(len(xs)), key=lambda i: values[xs[i]])
             choice[node] = s
-            compute += self.compute_cost(rep[node], s)
+            compute += self.compute_cost(rep[node], s) * weight(node)
         comm = ov_comm = 0.0
         edge_comm: dict = defaultdict(float)
         for members, v, c in edge_vars:
             if values[v] > 0.5:
+                count = 0
                 for key in members:
-                    comm += c
-                    edge_comm[key] += c
+                    count += member_weight(key)
+                    edge_comm[key] += c  # per instance; the totals below are weighted
+                comm += c * count
                 if v in ov_vars:
-                    ov_comm += c * len(members)
+                    ov_comm += c * count
         exposed = (comm - ov_comm) + (1.0 - eta) * ov_comm
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}

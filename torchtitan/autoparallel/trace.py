@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx import traceback as fx_traceback
 import torch.nn as nn
 from torch._functorch._aot_autograd import fx_utils
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
@@ -50,6 +51,15 @@ class TracedGraph:
     output_spec: Any  # pytree spec of the forward output
     param_dtype: torch.dtype | None = None
     forward_nodes: set[fx.Node] = field(default_factory=set)
+    # repeated blocks (repeat.py): which stacks were found, the block label of each node
+    # traced inside one, and, for a shallow trace, each node's weight (blocks it stands for)
+    blocks: list = field(default_factory=list)
+    labels: dict[fx.Node, str] = field(default_factory=dict)
+    weights: dict[fx.Node, int] = field(default_factory=dict)
+    shallow: bool = False
+
+    def weight(self, node: fx.Node) -> int:
+        return self.weights.get(node, 1)
 
     def tensor_val(self, node: fx.Node) -> torch.Tensor | None:
         v = node.meta.get("val")
@@ -117,12 +127,23 @@ def trace_joint(
     model: nn.Module,
     input_fn: Callable[[], Any],
     param_dtype: torch.dtype | None = None,
+    blocks: list | None = None,
+    shallow: bool = False,
 ) -> TracedGraph:
-    """Trace `model` (on meta) with global-shaped inputs from `input_fn` into a joint graph."""
+    """Trace `model` (on meta) with global-shaped inputs from `input_fn` into a joint graph.
+
+    `blocks` (from `repeat.find_repeated_blocks`) labels the nodes of each repeated block;
+    with `shallow=True` only the first, second and last block of each stack are traced and
+    nodes are weighted by the number of blocks they stand for (see repeat.py)."""
+    from . import repeat
+
     check_on_meta(model)
+    blocks = list(blocks or [])
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_model = copy.deepcopy(model)
+    fake_model = repeat.shallow_copy(model, blocks) if shallow and blocks else copy.deepcopy(model)
     _fakeify(fake_model, fake_mode)
+    containers = [b.container for b in blocks]
+    handles = repeat.label_hooks(fake_model, containers)
     with fake_mode:
         inputs = input_fn()
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -138,7 +159,13 @@ def trace_joint(
         prefix = "inner."
 
     with contextlib.ExitStack() as stack, sdpa_kernel(SDPBackend.MATH):
-        joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
+        if blocks:
+            stack.enter_context(fx_traceback.preserve_node_meta())
+        try:
+            joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
+        finally:
+            for h in handles:
+                h.remove()
         gm = joint.graph_module
     graph = gm.graph
 
@@ -170,6 +197,13 @@ def trace_joint(
         param_dtype=param_dtype,
     )
     tg.forward_nodes = forward_nodes(tg)
+    if blocks:
+        names = {n: f for f, n in {**params, **buffers}.items()}
+        keys = {c: [k for k, _m in fake_model.get_submodule(c).named_children()] for c in containers}
+        tg.blocks, tg.shallow = blocks, shallow
+        tg.labels = repeat.read_labels(gm, names, containers, keys)
+        if shallow:
+            tg.weights = repeat.weights_of(tg.labels, blocks)
     return tg
 
 
