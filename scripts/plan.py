@@ -1,7 +1,7 @@
 """Dry-run the planner on a Llama3 flavor and a fake mesh, in one process, with no accelerator.
 
     python scripts/plan.py --flavor 8B --mesh 8,8 --mesh-names dp,tp --device h100 \
-        --batch 8 --seq-len 2048 [--memory-gib 80] [--out-dir plan_out]
+        --batch 8 --seq-len 2048 [--mixed-precision bf16] [--memory-gib 80] [--out-dir plan_out]
 
 The model is built on meta and traced under a fake process group (nothing is allocated).
 Prints the stage timings as they finish, the plan per parameter group (repeated layers
@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory-gib", type=float, default=None,
                     help="per-rank memory budget in GiB (params+grads+AdamW+activations); "
                          "default: the device's memory (h100 80, h200 141, a100 80, cpu 24)")
+    ap.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                    help="bf16: parameters gathered and computed in bf16, gradients reduced in "
+                         "fp32 (torchtitan's FSDP2 default); none: everything fp32")
     ap.add_argument("--param-fraction", type=float, default=None,
                     help="additionally bound parameter memory to this fraction of all parameters")
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
@@ -250,8 +253,13 @@ def run(a) -> int:
     _progress(f"{a.flavor} ({args.n_layers} layers) on mesh {dict(zip(names, shape))}, "
               f"batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} GiB/rank: tracing ...")
     plans = OrderedDict()
+    mp_policy = None
+    if a.mixed_precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with AutoParallel(model, lambda: torch.randint(0, vocab, (batch, a.seq_len)), mesh,
-                      cost_model=a.device.lower(), solver_time_limit=a.time_limit) as autop:
+                      mp_policy=mp_policy, cost_model=a.device.lower(),
+                      solver_time_limit=a.time_limit) as autop:
         _progress(f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); strategies ...")
         autop.prepare()
         _progress(f"  strategies {autop.timings['strategies']:.2f}s, prune+cluster "
@@ -313,7 +321,9 @@ def run(a) -> int:
     print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
           + f"; total {total:.2f}s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     s = auto.solver
-    print(f"solver: {s.get('status')} optimal={s.get('optimal')} vars={s.get('num_vars')} rows={s.get('num_rows')}")
+    gap = s.get("gap")
+    print(f"solver: {s.get('status')}, proven gap {'-' if gap is None else f'{gap:.2%}'}, "
+          f"optimal={s.get('optimal')} vars={s.get('num_vars')} rows={s.get('num_rows')}")
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -344,7 +344,7 @@ class AutoParallel:
                        "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
                        "param_fraction": (local / total) if total else 1.0,
                        **plan_memory(tg, table, sol.choice)},
-            solver={"status": sol.status, "optimal": sol.optimal, "objective": sol.objective,
+            solver={"status": sol.status, "optimal": sol.optimal, "gap": sol.gap, "objective": sol.objective,
                     "num_vars": sol.num_vars, "num_rows": sol.num_rows},
             timings=dict(self.timings),
             graph_fingerprint=graph_fingerprint(tg.gm),

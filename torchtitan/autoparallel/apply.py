@@ -119,6 +119,20 @@ class GraphRunner:
             if n.target in casts and n.args and n.args[0] in self.param_of
             and set(n.kwargs) <= {"dtype"}}
         self.buffer_of = {n: f for f, n in tg.buffers.items()}
+        # drop each value as soon as nothing later reads it (as autograd frees what it no
+        # longer needs): otherwise every forward and backward value lives until the step ends
+        outputs = set(tg.outputs)
+        saved = {a for n in self.backward_order for a in n.all_input_nodes}
+        self.release_forward = _release_schedule(self.order, outputs)
+        self.release_joint_forward = _release_schedule(self.order, outputs | saved)
+        self.release_backward = _release_schedule(
+            self.backward_order, {g for g in tg.grads.values() if g is not None})
+
+    def _run_nodes(self, nodes: list, env: dict, device, param_casts: bool, release: dict) -> None:
+        for node in nodes:
+            self._exec(node, env, device, param_casts)
+            for v in release.get(node, ()):
+                env.pop(v, None)
 
     def _batch_ranks(self) -> int:
         if not self.input_pls:
@@ -228,8 +242,7 @@ class GraphRunner:
             keys = list(env)
             dts = _JointFunction.apply(self, device, keys, *[env[k] for k in keys])
         else:
-            for node in self.order:
-                self._exec(node, env, device, param_casts=True)
+            self._run_nodes(self.order, env, device, True, self.release_forward)
             dts = [self._redistribute(env[n], self.output_pls[i]) if isinstance(env[n], DTensor)
                    else env[n] for i, n in enumerate(tg.outputs)]
         return self._finish(dts)
@@ -255,6 +268,20 @@ class GraphRunner:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def _release_schedule(seq: list, keep: set) -> dict:
+    """node -> the values (not in `keep`) that no node after it in `seq` reads."""
+    last: dict = {}
+    for n in seq:
+        last.setdefault(n, n)  # a value nothing reads goes right after it is made
+        for a in n.all_input_nodes:
+            last[a] = n
+    out: dict = {}
+    for v, n in last.items():
+        if v not in keep:
+            out.setdefault(n, []).append(v)
+    return out
+
+
 class _JointFunction(torch.autograd.Function):
     """Forward and backward both follow the plan: the joint graph's backward nodes run in
     `backward`, with every redistribution (e.g. gradient reduce-scatters) the solver chose."""
@@ -263,8 +290,7 @@ class _JointFunction(torch.autograd.Function):
     def forward(ctx, runner: GraphRunner, device, keys, *values):
         env = dict(zip(keys, values))
         with torch.no_grad():
-            for node in runner.order:
-                runner._exec(node, env, device, param_casts=False)
+            runner._run_nodes(runner.order, env, device, False, runner.release_joint_forward)
         ctx.runner, ctx.env, ctx.keys, ctx.device = runner, env, keys, device
         outs = []
         for i, n in enumerate(runner.tg.outputs):
@@ -291,8 +317,7 @@ class _JointFunction(torch.autograd.Function):
                 if not isinstance(g, DTensor):
                     g = DTensor.from_local(g, runner.mesh, runner.output_pls[i], run_check=False)
                 env[t] = runner._redistribute(g, runner.output_pls[i])
-            for node in runner.backward_order:
-                runner._exec(node, env, ctx.device, param_casts=False)
+            runner._run_nodes(runner.backward_order, env, ctx.device, False, runner.release_backward)
             out = []
             for k in ctx.keys:
                 fqn = runner.param_of.get(k)

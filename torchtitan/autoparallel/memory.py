@@ -4,7 +4,11 @@ Bytes per rank of a plan = sum over parameters of local bytes x (1 parameter + 1
 + local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes) + sum over saved
 activations of their local bytes.  Saved activations are read off the joint graph: the
 outputs of forward nodes consumed by a backward node (what autograd keeps alive between
-forward and backward); a saved view counts as its base, counted once.  All of them are
+forward and backward), and the forward outputs (the caller holds them until its loss is
+done); a saved view counts as its base, counted once.  When the plan redistributes a tensor
+on its way into a saved view (the transpose of an all-gathered weight, read by the backward
+for the input gradient), the view keeps that new copy alive: a "copy" term, counted on the
+edge, in the placement the view receives.  All of them are
 assumed alive at once (the forward/backward boundary), which is where a training step
 without activation checkpointing peaks.  Temporary buffers inside one op are not counted.
 
@@ -32,7 +36,8 @@ class MemoryTerm:
     node: fx.Node  # strategy node whose choice decides the local size
     idx: int  # output index of that node
     full_bytes: float  # bytes of the global tensor, times the per-element multiplier
-    kind: str  # "param" | "activation"
+    kind: str  # "param" | "activation" | "copy"
+    arg: int | None = None  # "copy": the view's input (index into its sources) whose copy is held
 
 
 def _base(src):
@@ -43,26 +48,54 @@ def _base(src):
     return node, idx
 
 
-def saved_activations(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
-    """(producer, output index) of every forward tensor the backward reads (views -> base)."""
+def _is_view(node: fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view and bool(node.args) and isinstance(node.args[0], fx.Node))
+
+
+def _saved(tg: TracedGraph) -> list[tuple[fx.Node, int]]:
+    """(node, output index) of every forward tensor the backward reads, and the outputs."""
     fwd = tg.forward_nodes
-    params = set(tg.params.values()) | set(tg.buffers.values())
     seen: dict = {}
     for node in tg.gm.graph.nodes:
         if node in fwd or node.op != "call_function":
             continue
         for a in node.all_input_nodes:
-            if a not in fwd:
-                continue
-            src = _base(resolve_source(a))
-            if src[0] in params or src[0] not in table.nodes:
-                continue
-            v = src[0].meta.get("val")
-            if isinstance(v, (list, tuple)):
-                v = v[src[1]]
-            if isinstance(v, torch.Tensor):
-                seen[src] = True
+            if a in fwd:
+                seen[resolve_source(a)] = True
+    for out in tg.outputs:
+        seen[resolve_source(out)] = True
     return list(seen)
+
+
+def saved_activations(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
+    """(producer, output index) of every saved forward tensor (views -> base), see module doc."""
+    params = set(tg.params.values()) | set(tg.buffers.values())
+    seen: dict = {}
+    for src in _saved(tg):
+        src = _base(src)
+        if src[0] in params or src[0] not in table.nodes:
+            continue
+        v = src[0].meta.get("val")
+        if isinstance(v, (list, tuple)):
+            v = v[src[1]]
+        if isinstance(v, torch.Tensor):
+            seen[src] = True
+    return list(seen)
+
+
+def saved_view_inputs(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
+    """(view node, source index) of every edge into a view on a saved tensor's chain to its
+    base: a redistribution there makes the copy the saved view keeps alive."""
+    edges: dict = {}
+    for node, _idx in _saved(tg):
+        while _is_view(node) and node in table.nodes:
+            ns = table.nodes[node]
+            if not ns.sources:
+                break
+            edges[(node, 0)] = True
+            node = ns.sources[0][0]
+    return list(edges)
 
 
 def memory_terms(tg: TracedGraph, table: StrategyTable,
@@ -77,10 +110,27 @@ def memory_terms(tg: TracedGraph, table: StrategyTable,
         if isinstance(v, (list, tuple)):
             v = v[idx]
         terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation"))
+    for node, k in saved_view_inputs(tg, table):
+        v = _source_value(table.nodes[node].sources[k])
+        terms.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
     return terms
 
 
+def _source_value(src) -> torch.Tensor:
+    v = src[0].meta["val"]
+    return v[src[1]] if isinstance(v, (list, tuple)) else v
+
+
+def copy_fraction(term: MemoryTerm, table: StrategyTable, emitted, required) -> float:
+    """Local fraction held by a "copy" term when its edge goes emitted -> required."""
+    if required is None or emitted == required:
+        return 0.0
+    v = _source_value(table.nodes[term.node].sources[term.arg])
+    return P.shard_fraction(v.shape, required, table.mesh_shape)
+
+
 def term_fraction(term: MemoryTerm, table: StrategyTable, s: int) -> float:
+    """Local fraction of a "param"/"activation" term when its node uses strategy s."""
     st = table.nodes[term.node].strategies[s]
     pl = st.out[term.idx] if term.idx < len(st.out) else None
     if pl is None:
@@ -97,6 +147,14 @@ def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
     out = {"param_bytes_per_rank": 0.0, "grad_bytes_per_rank": 0.0, "optim_bytes_per_rank": 0.0,
            "activation_bytes_per_rank": 0.0}
     for t in memory_terms(tg, table, optim_bytes_per_elem):
+        if t.kind == "copy":
+            ns = table.nodes[t.node]
+            src_node, src_idx = ns.sources[t.arg]
+            emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
+            required = ns.strategies[choice[t.node]].ins[t.arg]
+            out["activation_bytes_per_rank"] += (
+                t.full_bytes * copy_fraction(t, table, emitted, required) * tg.weight(t.node))
+            continue
         f = term_fraction(t, table, choice[t.node]) * tg.weight(t.node)
         if t.kind == "param":
             v = t.node.meta["val"]

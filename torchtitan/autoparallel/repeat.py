@@ -12,8 +12,9 @@ identical layers, with a graph that no longer grows with depth.
 
 Every node traced inside a block is labelled `"<container>#<position>"` (a forward hook enters
 `torch.fx.traceback.annotate`; AOTAutograd copies the label to the backward nodes derived
-from it).  Any other node after the first block takes the label of the node before it in
-graph order: glue the parent runs between blocks (a residual add around each block),
+from it).  A node made outside every block from one block's tensors only (a
+mixed-precision cast of a block's parameter) takes that block's label; any other node takes
+the label of the node before it in graph order: glue the parent runs between blocks (a residual add around each block),
 gradient accumulations, the head and loss after the last block.  Both graphs are labelled by
 the same rule, so the glue after block i weighs what block i weighs, and the head and loss
 belong to the last block (weight 1).  To run the plan, `expand_plan` maps the full model's graph onto it: the k-th node of
@@ -166,7 +167,12 @@ def read_labels(gm: fx.GraphModule, param_fqns: dict[fx.Node, str],
             if fqn is not None:
                 lab = next((v for p, v in by_prefix.items() if fqn.startswith(p)), None)
         elif n.op == "call_function":
-            lab = (n.meta.get("custom") or {}).get(LABEL_KEY) or last
+            lab = (n.meta.get("custom") or {}).get(LABEL_KEY)
+            if lab is None:
+                # e.g. a mixed-precision cast of a block's parameter, made before the blocks run
+                ins = {labels.get(a) for a in n.all_input_nodes}
+                lab = ins.pop() if len(ins) == 1 else None
+            lab = lab or last
             if lab is not None:
                 last = lab
         if lab is not None:

@@ -64,6 +64,7 @@ class Solution:
     objective: float
     status: str
     optimal: bool
+    gap: float | None  # proven relative gap to the best bound
     num_vars: int
     num_rows: int
     edge_comm: dict = field(default_factory=dict)  # (consumer node, arg k) -> us
@@ -129,7 +130,7 @@ class _Model:
         return lp
 
     def solve(self, time_limit: float, verbose: bool, rel_gap: float = 1e-3):
-        """Solve; returns (status, column values or None, objective, how).
+        """Solve; returns (status, column values or None, objective, method, proven relative gap).
 
         First the LP relaxation (no presolve: here it costs more than it saves).  These
         programs' relaxations are nearly integral (typically >90% of one-hot groups), so the
@@ -151,7 +152,7 @@ class _Model:
         h.run()
         status = h.getModelStatus()
         if status == Status.kInfeasible:
-            return status, None, None, "lp"
+            return status, None, None, "LP", None
         ints = np.array([c for g in self.groups for c in g], dtype=np.int32)
         start = None
         if status == Status.kOptimal:
@@ -178,8 +179,9 @@ class _Model:
             if h.getModelStatus() == Status.kOptimal:
                 obj = h.getInfo().objective_function_value
                 start = list(h.getSolution().col_value)
-                if obj - bound <= rel_gap * max(abs(obj), 1e-9):
-                    return Status.kOptimal, start, obj, f"LP + fixing (gap to LP bound {(obj - bound) / max(abs(obj), 1e-9):.1e})"
+                gap = (obj - bound) / max(abs(obj), 1e-9)
+                if gap <= rel_gap:
+                    return Status.kOptimal, start, obj, "LP + fixing", gap
             h.changeColsBounds(len(ints), ints, lo, hi)
         # branch and bound on the true 0/1 program
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
@@ -194,7 +196,8 @@ class _Model:
         status = h.getModelStatus()
         info = h.getInfo()
         has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        return status, (list(h.getSolution().col_value) if has_sol else None), info.objective_function_value, "MIP"
+        return (status, (list(h.getSolution().col_value) if has_sol else None),
+                info.objective_function_value, "branch and bound", info.mip_gap if has_sol else None)
 
 
 class PlacementSolver:
@@ -209,6 +212,7 @@ class PlacementSolver:
         # node -> representative sharing its variables (see cluster.py); None = no sharing
         self.rep: dict[fx.Node, fx.Node] | None = None
         self._param_side: set | None = None
+        self._pair_memo: dict = {}
 
     def param_side_nodes(self) -> set:
         """Nodes on a parameter's single-input chain (param, cast, transpose, view) and on a
@@ -253,6 +257,19 @@ class PlacementSolver:
                 c = self.est.compute_us(node.target, in_vals, list(st.ins), out_vals, list(st.out), node.args)
             self._compute[key] = c
         return c
+
+    def _pairs(self, emitted: tuple, required: tuple, shape: tuple, elem_size: int,
+               frozen: bool) -> list:
+        """(emitted, required, cost) of the redistributions an edge may use; memoised, as
+        repeated layers ask the same question many times."""
+        key = (emitted, required, shape, elem_size, frozen)
+        hit = self._pair_memo.get(key)
+        if hit is None:
+            hit = self._pair_memo[key] = [
+                (o, r, c) for o in emitted for r in required
+                if (o == r or not frozen) and _direct(o, r)
+                and (c := self.est.comm_us(o, r, shape, elem_size)) != INF]
+        return hit
 
     def param_bytes(self, node: fx.Node) -> int:
         v = node.meta["val"]
@@ -301,6 +318,7 @@ class PlacementSolver:
             m.onehot(xs)
 
         edge_vars: list[tuple[list, int, float]] = []  # (member edges, var, cost per member)
+        edge_pair_vars: dict = {}  # member edge -> [(var, emitted, required)]
         eta = est.cm.overlap_efficiency
         pside = self.param_side_nodes()
         gside = self._grad_side
@@ -318,6 +336,9 @@ class PlacementSolver:
             """Tight edge constraints between a producer and a consumer's requirement groups."""
             val = _source_val(src)
             prod = producer_groups(src)
+            pair_vars: list = []
+            for key in members:
+                edge_pair_vars[key] = pair_vars
             rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
             rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
             frozen = any(k in self.no_comm_edges for k in members)
@@ -325,24 +346,18 @@ class PlacementSolver:
             key0 = members[0]
             overlappable = eta > 0 and (src[0] in pside or key0[0] == "grad"
                                         or (isinstance(key0[0], fx.Node) and key0[0] in gside))
-            for o in prod:
-                for r in cons_groups:
-                    if frozen and o != r:
-                        continue
-                    if not _direct(o, r):
-                        continue
-                    c = est.comm_us(o, r, tuple(val.shape), val.element_size())
-                    if c == INF:
-                        continue
-                    tie = TIE_BREAK_US if o != r else 0.0
-                    if overlappable:
-                        y = m.var((c * (1.0 - eta) + tie) * count, False)
-                        ov_vars.add(y)
-                    else:
-                        y = m.var((c + tie) * count, False)
-                    edge_vars.append((members, y, c))
-                    rows_o[o].append((y, 1.0))
-                    rows_r[r].append((y, 1.0))
+            for o, r, c in self._pairs(tuple(prod), tuple(cons_groups), tuple(val.shape),
+                                       val.element_size(), frozen):
+                tie = TIE_BREAK_US if o != r else 0.0
+                if overlappable:
+                    y = m.var((c * (1.0 - eta) + tie) * count, False)
+                    ov_vars.add(y)
+                else:
+                    y = m.var((c + tie) * count, False)
+                edge_vars.append((members, y, c))
+                pair_vars.append((y, o, r))
+                rows_o[o].append((y, 1.0))
+                rows_r[r].append((y, 1.0))
             for terms in list(rows_o.values()) + list(rows_r.values()):
                 m.row(terms, 0.0, 0.0)
 
@@ -426,9 +441,15 @@ class PlacementSolver:
             elif c.kind == "bytes":
                 # per-rank bytes (params, grads, optimizer state, saved activations), scaled
                 # by the budget so the row's coefficients are O(1)
-                from .memory import memory_terms, term_fraction
+                from .memory import copy_fraction, memory_terms, term_fraction
                 terms = []
                 for t in memory_terms(tg, table):
+                    if t.kind == "copy":  # on the edge: held only if it redistributes
+                        for y, o, r in edge_pair_vars.get((t.node, t.arg), ()):
+                            f = copy_fraction(t, table, o, r)
+                            if f:
+                                terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
+                        continue
                     xs = xvars[t.node]
                     for s in range(len(xs)):
                         terms.append((xs[s], t.full_bytes * weight(t.node) * term_fraction(t, table, s)
@@ -436,10 +457,10 @@ class PlacementSolver:
                 m.row(terms, -highspy.kHighsInf, 1.0)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        status, values, obj, how = m.solve(time_limit, verbose)
+        status, values, obj, how, gap = m.solve(time_limit, verbose)
         solve_s = time.perf_counter() - t1
-        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s)",
-                 len(m.cost), len(m.row_lo), build_s, solve_s, status, how)
+        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",
+                 len(m.cost), len(m.row_lo), build_s, solve_s, status, how, gap)
         if status == highspy.HighsModelStatus.kInfeasible or values is None:
             if status not in (highspy.HighsModelStatus.kInfeasible,):
                 if status == highspy.HighsModelStatus.kTimeLimit:
@@ -447,7 +468,7 @@ class PlacementSolver:
             return None
         optimal = status == highspy.HighsModelStatus.kOptimal
         if not optimal:
-            log.warning("solver stopped with status %s; the plan is feasible but not proven optimal", status)
+            log.warning("solver stopped with status %s; the plan is feasible, proven within %s of optimal", status, "-" if gap is None else f"{gap:.2%}")
         choice = {}
         compute = 0.0
         for node, xs in xvars.items():
@@ -469,7 +490,7 @@ class PlacementSolver:
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
-        return Solution(choice, sinks, grads, compute, comm, obj, f"{status} via {how}", optimal,
+        return Solution(choice, sinks, grads, compute, comm, obj, f"{status} via {how}", optimal, gap,
                         len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed)
 
     @staticmethod
