@@ -278,7 +278,9 @@ def run(a) -> int:
 
         constrain()
         plans["auto"] = autop.optimize_placement()
-        _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s")
+        plan_s = time.perf_counter() - t_all
+        _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s; "
+                  f"automatic plan after {plan_s:.2f}s")
         if not a.no_baselines:
             pshapes = autop.param_shapes()
             baselines = [("FSDP", fsdp_plan(pshapes, names))]
@@ -293,7 +295,10 @@ def run(a) -> int:
             _progress("  apply_placement ...")
             try:
                 autop.apply_placement(plans["auto"])
-                _progress(f"  apply {autop.timings['apply']:.2f}s")
+                if "trace_full" in autop.timings:  # the plan came from a shallow trace
+                    plans["auto"].timings["trace_full"] = autop.timings["trace_full"]
+                _progress(f"  apply {autop.timings['apply']:.2f}s (after tracing the whole model "
+                          f"{autop.timings.get('trace_full', 0.0):.2f}s)")
             except Exception as e:  # timing only; the plan itself is still reported
                 _progress(f"  apply failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     total = time.perf_counter() - t_all
@@ -319,7 +324,7 @@ def run(a) -> int:
         print(f"auto / best hand-written ({best_label}) predicted step: {ratio:.3f}")
     t = auto.timings
     print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
-          + f"; total {total:.2f}s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+          + f"; plan {plan_s:.2f}s, total {total:.2f}s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     s = auto.solver
     gap = s.get("gap")
     print(f"solver: {s.get('status')}, proven gap {'-' if gap is None else f'{gap:.2%}'}, "
@@ -334,7 +339,7 @@ def run(a) -> int:
                f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}")
     summary = {"flavor": a.flavor, "layers": args.n_layers, "mesh": list(shape), "names": list(names),
                "device": a.device, "batch": batch, "seq_len": a.seq_len, "timings": dict(auto.timings),
-               "total_s": total,
+               "plan_s": plan_s, "total_s": total, "solver": auto.solver,
                "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "predicted": {k: v.predicted for k, v in plans.items()},
                "params": {k: v.params for k, v in plans.items()}}

@@ -48,7 +48,8 @@ def models():
         "llama": (lambda: tiny_llama(n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s),
                   lambda g: (torch.randint(0, 256, (b, s), generator=g),),
                   lambda g: torch.randint(0, 256, (b, s), generator=g), "ce"),
-        "mlp": (lambda: MLPStack(), lambda g: (torch.randn(b, 8, 32, generator=g),),
+        # 5 blocks: planned from a shallow trace of 3, applied to all 5 (repeat.py)
+        "mlp": (lambda: MLPStack(n_layers=5), lambda g: (torch.randn(b, 8, 32, generator=g),),
                 lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         "gpt2": (lambda: GPT2Block(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
                  lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
