@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -312,7 +311,7 @@ def launch(meshes: list[str], *, seq_len: int = 256, local_batch: int = 2, layer
     The ranks exit through barrier + os._exit, so a non-zero exit is a real failure; on a
     timeout torchrun is stopped the way the integration harness does (`loss_compare._stop`).
     """
-    from torchtitan.tools.loss_compare import Run, _stop
+    from torchtitan.tools.loss_compare import Run, launch_and_wait
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -327,17 +326,7 @@ def launch(meshes: list[str], *, seq_len: int = 256, local_batch: int = 2, layer
         cmd.append("--no-loss-parallel")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        output = _stop(proc) + f"\n[memory_model] timed out after {timeout:.0f} s\n"
-        code = 124
-    except BaseException:
-        _stop(proc)
-        raise
+    code, output = launch_and_wait(cmd, env, timeout, "memory_model")
     if code == 0 and not out.exists():
         code, output = 1, output + "\n[memory_model] no results written\n"
     results = json.loads(out.read_text()) if out.exists() else []

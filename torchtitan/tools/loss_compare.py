@@ -100,19 +100,24 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
         "--job.dump_folder", str(dump_folder),
         *args,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+    code, output = launch_and_wait(cmd, full_env, timeout, "loss_compare")
+    (dump_folder / LOG_NAME).write_text(output)
+    return Run(code, output, dump_folder)
+
+
+def launch_and_wait(cmd: list[str], env: dict, timeout: float, label: str) -> tuple[int, str]:
+    """Run a torchrun command from the repo root; (exit code, stdout+stderr).  On timeout it
+    is stopped (see `_stop`) and the code is 124; on any other interruption it is stopped too."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
+        return proc.returncode, output
     except subprocess.TimeoutExpired:
-        output = _stop(proc) + f"\n[loss_compare] timed out after {timeout:.0f} s\n"
-        code = 124
+        return 124, _stop(proc) + f"\n[{label}] timed out after {timeout:.0f} s\n"
     except BaseException:
         _stop(proc)
         raise
-    (dump_folder / LOG_NAME).write_text(output)
-    return Run(code, output, dump_folder)
 
 
 def _stop(proc: subprocess.Popen) -> str:
