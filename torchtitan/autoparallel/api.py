@@ -137,13 +137,23 @@ class AutoParallel:
             self.solver.no_comm_edges = self._mp_no_comm_edges()
         t = time.perf_counter()
         removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
-        if self.share_repeated:
-            pinned = {c.node for c in self._constraints if c.node is not None}
-            self.solver.rep = cluster_nodes(self.table, unique=pinned)
-            log.info("%d nodes share %d variable groups", len(self.table.nodes),
-                     len(set(self.solver.rep.values())))
+        self._cluster()
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
+
+    def _cluster(self) -> None:
+        """Group identical nodes (cluster.py), keeping pinned nodes apart; redone when the pins
+        change, so a pin never lands on a group shared with an unpinned node."""
+        if not self.share_repeated:
+            return
+        pinned = frozenset(c.node for c in self._constraints if c.node is not None)
+        if getattr(self, "_clustered_for", None) == pinned:
+            return
+        names = {n: f for f, n in {**self.tg.params, **self.tg.buffers}.items()}
+        self.solver.rep = cluster_nodes(self.table, unique=pinned, names=names)
+        self._clustered_for = pinned
+        log.info("%d nodes share %d variable groups", len(self.table.nodes),
+                 len(set(self.solver.rep.values())))
 
     def prepare(self) -> None:
         """Enumerate strategies, prune and group repeated nodes now (otherwise done lazily by
@@ -283,6 +293,7 @@ class AutoParallel:
 
     def _solve_local(self, verbose: bool) -> Plan:
         self._prepare()
+        self._cluster()
         sol = self.solver.solve(self._constraints, self.time_limit, verbose)
         self.timings["build"] = self.solver.last_build_s
         self.timings["solve"] = self.solver.last_solve_s

@@ -3,7 +3,8 @@
 Transformer layers repeat, so the joint graph holds N copies of the same sub-graph.  We give
 each node a structural signature — op, constant arguments, output shape, its candidate
 strategies — and refine it a few rounds with the signatures of its producers (in argument
-order) and consumers (as a multiset), Weisfeiler-Lehman style.  Nodes with equal signatures
+order) and consumers (as a multiset), Weisfeiler-Lehman style.  Parameters group only with
+the same parameter of another layer (name pattern, below).  Nodes with equal signatures
 share one set of solver variables (their costs add up), so the program stops growing with
 depth.  Any grouping is *consistent* (edges between groups share variables exactly); it only
 restricts the search to plans where identical nodes are sharded identically.
@@ -32,11 +33,21 @@ def _const(a):
     return repr(a)
 
 
-def cluster_nodes(table: StrategyTable, rounds: int = 4,
-                  unique: set[fx.Node] = frozenset()) -> dict[fx.Node, fx.Node]:
+def name_pattern(fqn: str) -> str:
+    """A parameter's name with list/dict indices wildcarded: `layers.7.attention.wq.weight`
+    -> `layers.*.attention.wq.weight`."""
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def cluster_nodes(table: StrategyTable, rounds: int = 4, unique: set[fx.Node] = frozenset(),
+                  names: dict[fx.Node, str] | None = None) -> dict[fx.Node, fx.Node]:
     """Map every strategy node to its group representative (the first member in graph order).
 
-    Nodes in `unique` (e.g. pinned parameters) are never grouped with others."""
+    Nodes in `unique` (e.g. pinned parameters) are never grouped with others.  `names` gives
+    parameter/buffer placeholders their FQN: only those with the same `name_pattern` may
+    group, so same-shaped weights of different roles (an attention block's wq and wo) are
+    never forced to share a placement, while the same weight of repeated layers is."""
+    names = names or {}
     nodes = list(table.nodes)
     strat_sig: dict[int, int] = {}
     sig: dict[fx.Node, int] = {}
@@ -49,7 +60,7 @@ def cluster_nodes(table: StrategyTable, rounds: int = 4,
             base = ("unique", n.name)
         else:
             base = (ns.role, str(n.target) if n.op == "call_function" else "ph",
-                    _const(n.args), _const(n.kwargs))
+                    _const(n.args), _const(n.kwargs), name_pattern(names.get(n, "")))
         sig[n] = hash((base, strat_sig[key]))
     users: dict[fx.Node, list[tuple[fx.Node, int]]] = defaultdict(list)
     for n in nodes:
