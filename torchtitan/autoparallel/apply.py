@@ -133,6 +133,7 @@ class GraphRunner:
             self._exec(node, env, device, param_casts)
             for v in release.get(node, ()):
                 env.pop(v, None)
+                env.get(_REDISTRIBUTED, {}).pop(v, None)
 
     def _batch_ranks(self) -> int:
         if not self.input_pls:
@@ -187,8 +188,14 @@ class GraphRunner:
                 k = next(counter, None)
                 if isinstance(v, _ParamCast):
                     return v.get(targets[k] if k is not None else None)
-                if k is not None and isinstance(v, DTensor) and targets[k] is not None:
-                    v = self._redistribute(v, targets[k])
+                if k is not None and isinstance(v, DTensor) and targets[k] is not None \
+                        and v.placements != targets[k]:
+                    # once per (value, placement): every consumer reuses it (the solver
+                    # prices each consumer's redistribution, an upper bound on this)
+                    cache = env.setdefault(_REDISTRIBUTED, {}).setdefault(a, {})
+                    if targets[k] not in cache:
+                        cache[targets[k]] = self._redistribute(v, targets[k])
+                    v = cache[targets[k]]
             return v
 
         args_ = tuple(fx.node.map_arg(node.args, convert))
@@ -266,6 +273,9 @@ class GraphRunner:
             except Exception:
                 pass
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_REDISTRIBUTED = "redistributed"  # env key: node -> {placement: redistributed value}
 
 
 def _release_schedule(seq: list, keep: set) -> dict:

@@ -161,13 +161,16 @@ class _Model:
             # fix the groups the relaxation already decided; branch and bound on the rest
             lo, hi = np.asarray(self.lb)[ints], np.asarray(self.ub)[ints]
             fix_lo, fix_hi = lo.copy(), hi.copy()
-            pos = 0
+            pos = decided = 0
             for g in self.groups:
                 k = int(np.argmax(x[g]))
                 if x[g[k]] > 1.0 - 1e-6:
                     fix_hi[pos:pos + len(g)] = 0.0
                     fix_lo[pos + k] = fix_hi[pos + k] = 1.0
+                    decided += 1
                 pos += len(g)
+            if decided == len(self.groups):  # the relaxation is integral: optimal as it is
+                return Status.kOptimal, list(x), bound, "LP (integral)", 0.0
             h.changeColsBounds(len(ints), ints, fix_lo, fix_hi)
             h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
             h.setOptionValue("presolve", "choose")
