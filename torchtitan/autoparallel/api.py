@@ -87,6 +87,7 @@ class AutoParallel:
         self._inputs_set = self._outputs_set = False
         self.tg = None
         self.table = None
+        self._param_shapes: dict[str, list[int]] | None = None
 
     # ------------------------------------------------------------------
     def __enter__(self) -> "AutoParallel":
@@ -104,7 +105,9 @@ class AutoParallel:
 
     def param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter of the model, by its fully qualified name."""
-        return {f: list(p.shape) for f, p in self.model.named_parameters()}
+        if self._param_shapes is None:
+            self._param_shapes = {f: list(p.shape) for f, p in self.model.named_parameters()}
+        return dict(self._param_shapes)
 
     def _traced_name(self, fqn: str) -> str:
         """Name in the traced graph of the model's parameter/buffer `fqn`."""

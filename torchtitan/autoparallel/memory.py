@@ -42,8 +42,7 @@ class MemoryTerm:
 
 def _base(src):
     node, idx = src
-    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
+    while _is_view(node):
         node, idx = resolve_source(node.args[0])
     return node, idx
 

@@ -79,7 +79,6 @@ class _Model:
         self.cost: list[float] = []
         self.lb: list[float] = []
         self.ub: list[float] = []
-        self.integer: list[bool] = []
         self.row_lo: list[float] = []
         self.row_hi: list[float] = []
         self.starts: list[int] = [0]
@@ -87,11 +86,11 @@ class _Model:
         self.value: list[float] = []
         self.groups: list[list[int]] = []  # one-hot groups of binary columns
 
-    def var(self, cost: float, integer: bool, lb=0.0, ub=1.0) -> int:
+    def var(self, cost: float, lb=0.0, ub=1.0) -> int:
+        """A column; it is binary if it belongs to a one-hot group (`onehot`), else continuous."""
         self.cost.append(cost)
         self.lb.append(lb)
         self.ub.append(ub)
-        self.integer.append(integer)
         return len(self.cost) - 1
 
     def row(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
@@ -154,6 +153,11 @@ class _Model:
         if status == Status.kInfeasible:
             return status, None, None, "LP", None
         ints = np.array([c for g in self.groups for c in g], dtype=np.int32)
+
+        def as_mip() -> None:  # from the relaxation to the 0/1 program
+            h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+            h.setOptionValue("presolve", "choose")
+            h.setOptionValue("mip_rel_gap", rel_gap)
         start = None
         if status == Status.kOptimal:
             bound = h.getInfo().objective_function_value
@@ -172,12 +176,10 @@ class _Model:
             if decided == len(self.groups):  # the relaxation is integral: optimal as it is
                 return Status.kOptimal, list(x), bound, "LP (integral)", 0.0
             h.changeColsBounds(len(ints), ints, fix_lo, fix_hi)
-            h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-            h.setOptionValue("presolve", "choose")
-            h.setOptionValue("mip_rel_gap", rel_gap)
+            as_mip()
             h.run()
             log.info("LP bound %.3f; %d of %d one-hot groups integral; the rest: %s, objective %s",
-                     bound, int((fix_lo == 1).sum()), len(self.groups), h.getModelStatus(),
+                     bound, decided, len(self.groups), h.getModelStatus(),
                      h.getInfo().objective_function_value)
             if h.getModelStatus() == Status.kOptimal:
                 obj = h.getInfo().objective_function_value
@@ -187,9 +189,7 @@ class _Model:
                     return Status.kOptimal, start, obj, "LP + fixing", gap
             h.changeColsBounds(len(ints), ints, lo, hi)
         # branch and bound on the true 0/1 program
-        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
-        h.setOptionValue("presolve", "choose")
-        h.setOptionValue("mip_rel_gap", rel_gap)
+        as_mip()
         h.setOptionValue("time_limit", max(1.0, t_end - time.perf_counter()))
         if start is not None:
             sol = highspy.HighsSolution()
@@ -316,7 +316,7 @@ class PlacementSolver:
                 xvars[node] = xvars[r]
                 continue
             ns = table.nodes[r]
-            xs = [m.var(self.compute_cost(r, s) * mult[r], True) for s in range(len(ns.strategies))]
+            xs = [m.var(self.compute_cost(r, s) * mult[r]) for s in range(len(ns.strategies))]
             xvars[r] = xvars[node] = xs
             m.onehot(xs)
 
@@ -353,10 +353,10 @@ class PlacementSolver:
                                        val.element_size(), frozen):
                 tie = TIE_BREAK_US if o != r else 0.0
                 if overlappable:
-                    y = m.var((c * (1.0 - eta) + tie) * count, False)
+                    y = m.var((c * (1.0 - eta) + tie) * count)
                     ov_vars.add(y)
                 else:
-                    y = m.var((c + tie) * count, False)
+                    y = m.var((c + tie) * count)
                 edge_vars.append((members, y, c))
                 pair_vars.append((y, o, r))
                 rows_o[o].append((y, 1.0))
@@ -386,7 +386,7 @@ class PlacementSolver:
             src = _resolve(out)
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
-            w = {pl: m.var(0.0, True) for pl in opts}
+            w = {pl: m.var(0.0) for pl in opts}
             m.onehot(list(w.values()))
             sink_vars[i] = w
             link(src, {pl: [v] for pl, v in w.items()}, [("output", i)])
@@ -404,7 +404,7 @@ class PlacementSolver:
             src = (gnode, gidx)
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
-            w = {pl: m.var(0.0, True) for pl in opts}
+            w = {pl: m.var(0.0) for pl in opts}
             m.onehot(list(w.values()))
             for fqn in fqns:
                 grad_vars[fqn] = w
