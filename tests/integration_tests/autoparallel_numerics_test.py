@@ -40,6 +40,11 @@ def test_mlp_and_gpt2_on_2d_mesh():
     assert out.count("OK   ") == 8
 
 
+def test_attention_op_split_by_batch_and_heads():
+    out = _torchrun("attention", "tp4,dp2tp2")
+    assert out.count("OK   attention/") == 10
+
+
 def test_mixed_precision_mlp():
     out = _torchrun("mlp", "dp4,dp2tp2", "bf16")
     assert "OK   mlp+bf16/dp2tp2 grads" in out

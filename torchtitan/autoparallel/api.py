@@ -314,6 +314,9 @@ class AutoParallel:
             st = pick(node)
             nodes[node.name] = {"op": str(node.target), "ins": [P.fmt(p) for p in st.ins],
                                 "out": [P.fmt(p) for p in st.out]}
+            hubs = [sol.hubs.get((node, i)) for i in range(len(st.out))]
+            if any(h is not None for h in hubs):  # where a value shared by consumers is sent
+                nodes[node.name]["hubs"] = [P.fmt(h) if h is not None else "-" for h in hubs]
             if tg.shallow:
                 nodes[node.name]["block"] = tg.labels.get(node)
         fwd_comm = bwd_comm = 0.0
@@ -382,7 +385,7 @@ class AutoParallel:
         for key, us in sol.edge_comm.items():
             if key[0] == "grad":
                 out[key[1]] += us
-            elif isinstance(key[0], torch.fx.Node):
+            elif isinstance(key[0], torch.fx.Node) and key[1] != "hub":  # hubs: activations
                 src = self.table.nodes[key[0]].sources[key[1]][0]
                 if src in owner:
                     out[owner[src]] += us

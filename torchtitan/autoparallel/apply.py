@@ -109,6 +109,7 @@ class GraphRunner:
             raise PlannerError(f"plan has no entry for graph node '{missing[0]}'")
         self.backward_order = [n for n in tg.gm.graph.nodes
                                if n.op == "call_function" and n not in tg.forward_nodes]
+        self.hubs = _hubs(tg, plan)
         self.grad_pls = {f: P.parse(s) for f, s in plan.grads.items()}
         self.input_pls = [P.parse(s) for s in plan.inputs]
         self.output_pls = [P.parse(s) for s in plan.outputs]
@@ -190,10 +191,15 @@ class GraphRunner:
                     return v.get(targets[k] if k is not None else None)
                 if k is not None and isinstance(v, DTensor) and targets[k] is not None \
                         and v.placements != targets[k]:
-                    # once per (value, placement): every consumer reuses it (the solver
-                    # prices each consumer's redistribution, an upper bound on this)
+                    # once per (value, placement), every consumer reusing it; through the
+                    # value's hub where the plan has one (as the solver priced it)
                     cache = env.setdefault(_REDISTRIBUTED, {}).setdefault(a, {})
                     if targets[k] not in cache:
+                        via = self.hubs.get(a)
+                        if via is not None and via not in (v.placements, targets[k]):
+                            if via not in cache:
+                                cache[via] = self._redistribute(v, via)
+                            v = cache[via]
                         cache[targets[k]] = self._redistribute(v, targets[k])
                     v = cache[targets[k]]
             return v
@@ -276,6 +282,17 @@ class GraphRunner:
 
 
 _REDISTRIBUTED = "redistributed"  # env key: node -> {placement: redistributed value}
+
+
+def _hubs(tg: TracedGraph, plan: Plan) -> dict[fx.Node, P.Placements]:
+    """Value node (a getitem for one output of a multi-output op) -> its planned hub."""
+    out = {}
+    for n in tg.gm.graph.nodes:
+        producer, idx = (n.args[0], n.args[1]) if is_getitem(n) else (n, 0)
+        hubs = plan.nodes.get(producer.name, {}).get("hubs")
+        if hubs and idx < len(hubs) and hubs[idx] != "-":
+            out[n] = P.parse(hubs[idx])
+    return out
 
 
 def _release_schedule(seq: list, keep: set) -> dict:

@@ -67,9 +67,11 @@ class Solution:
     gap: float | None  # proven relative gap to the best bound
     num_vars: int
     num_rows: int
-    edge_comm: dict = field(default_factory=dict)  # (consumer node, arg k) -> us
+    # us per (consumer node, arg k), (producer node, "hub", output idx), ("grad", fqn), ("output", i)
+    edge_comm: dict = field(default_factory=dict)
     overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
     exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
+    hubs: dict = field(default_factory=dict)  # (producer, output idx) -> placement (_hub)
 
 
 class _Model:
@@ -335,10 +337,12 @@ class PlacementSolver:
                     g[pl].append(xvars[src[0]][s])
             return g
 
-        def link(src, cons_groups: dict[P.Placements, list[int]], members: list) -> None:
-            """Tight edge constraints between a producer and a consumer's requirement groups."""
+        def link(src, cons_groups: dict[P.Placements, list[int]], members: list,
+                 prod: dict[P.Placements, list[int]] | None = None) -> None:
+            """Tight edge constraints between a producer (or its hub) and a consumer's
+            requirement groups."""
             val = _source_val(src)
-            prod = producer_groups(src)
+            prod = producer_groups(src) if prod is None else prod
             pair_vars: list = []
             for key in members:
                 edge_pair_vars[key] = pair_vars
@@ -369,16 +373,31 @@ class PlacementSolver:
         for node, ns in table.nodes.items():
             for k, src in enumerate(ns.sources):
                 edges[(rep[src[0]], src[1], rep[node], k)].append((node, k))
-        for (psrc, pidx, cnode, k), members in edges.items():
-            ns = table.nodes[cnode]
+        required: dict[tuple, dict[P.Placements, list[int]]] = {}
+        fanout: dict[tuple, list[tuple]] = defaultdict(list)
+        for key in edges:
+            psrc, pidx, cnode, k = key
             groups: dict[P.Placements, list[int]] = defaultdict(list)
-            for s, st in enumerate(ns.strategies):
-                r = st.ins[k]
-                if r is None:
-                    continue
-                groups[r].append(xvars[cnode][s])
+            for s, st in enumerate(table.nodes[cnode].strategies):
+                if st.ins[k] is not None:
+                    groups[st.ins[k]].append(xvars[cnode][s])
             if groups:
-                link((psrc, pidx), groups, members)
+                required[key] = groups
+                fanout[(psrc, pidx)].append(key)
+        represented: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+        for node in table.nodes:
+            represented[rep[node]].append(node)
+        hub_vars: dict[tuple, dict[P.Placements, int]] = {}
+        for src, keys in fanout.items():
+            if len(keys) > 1 and src[0].op == "call_function" and src[0] not in pside and not any(
+                    e in self.no_comm_edges for k in keys for e in edges[k]):
+                hub_vars[src] = w = self._hub(m, producer_groups(src), [required[k] for k in keys])
+                link(src, {pl: [v] for pl, v in w.items()},
+                     [(n, "hub", src[1]) for n in represented[src[0]]])
+        for key, groups in required.items():
+            src = key[:2]
+            hub = hub_vars.get(src)
+            link(src, groups, edges[key], {pl: [v] for pl, v in hub.items()} if hub else None)
 
         # sinks: forward outputs (tied to tangents) and parameter gradients (tied to params)
         sink_vars: dict[int, dict[P.Placements, int]] = {}
@@ -448,7 +467,10 @@ class PlacementSolver:
                 terms = []
                 for t in memory_terms(tg, table):
                     if t.kind == "copy":  # on the edge: held only if it redistributes
-                        for y, o, r in edge_pair_vars.get((t.node, t.arg), ()):
+                        # (through a hub: counted on both steps, an upper bound)
+                        src = table.nodes[t.node].sources[t.arg]
+                        for y, o, r in edge_pair_vars.get((t.node, t.arg), []) + \
+                                edge_pair_vars.get((src[0], "hub", src[1]), []):
                             f = copy_fraction(t, table, o, r)
                             if f:
                                 terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
@@ -491,10 +513,29 @@ class PlacementSolver:
                     ov_comm += c * count
         exposed = (comm - ov_comm) + (1.0 - eta) * ov_comm
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
+        hubs = {(n, src[1]): max(w, key=lambda pl: values[w[pl]])
+                for src, w in hub_vars.items() for n in represented[src[0]]}
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
         return Solution(choice, sinks, grads, compute, comm, obj, f"{status} via {how}", optimal, gap,
-                        len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed)
+                        len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed, hubs)
+
+    @staticmethod
+    def _hub(m: _Model, emitted: dict, required: list[dict]) -> dict[P.Placements, int]:
+        """A value read by several consumers is redistributed once per placement, not once per
+        consumer.  Its "hub" picks the one placement it is redistributed to (one-hot over what
+        the producer emits and the consumers require); consumers read from the hub and pay
+        only for their own step on from it (nothing when they need the hub's placement).  The
+        price, producer -> hub once plus hub -> each consumer, bounds what the runner does (it
+        redistributes through the hub the same way, and reads the producer's value directly
+        where a consumer wants the producer's own placement), and is exact when the consumers want at most one placement besides the producer's — the
+        Megatron pattern: one all-gather of the normalised activations feeds wq, wk and wv."""
+        placements = dict.fromkeys(emitted)
+        for groups in required:
+            placements.update(dict.fromkeys(groups))
+        w = {pl: m.var(0.0) for pl in placements}
+        m.onehot(list(w.values()))
+        return w
 
     @staticmethod
     def _tie(m: _Model, w: dict, ns, xs: list[int]) -> None:

@@ -2,8 +2,8 @@
 
 The model's parameters and buffers are swapped (on a structural copy) for *fake CPU* tensors
 — not meta ones: meta tensors silently drop the backward through `nll_loss`/cross-entropy.
-Nothing is allocated, so an 8B model traces on a laptop.  SDPA is traced with the MATH backend
-so attention becomes bmm/softmax, ops DTensor has rules for.
+Nothing is allocated, so an 8B model traces on a laptop.  SDPA becomes the planner's own
+attention op where it can (attention.py), else bmm/softmax through the MATH backend.
 
 The result, `TracedGraph`, identifies every placeholder and graph output by role (parameter
 FQN, buffer FQN, user input, tangent, forward output, parameter gradient) using AOTAutograd's
@@ -25,9 +25,9 @@ import torch.nn as nn
 from torch._functorch._aot_autograd import fx_utils
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
+from .attention import route_attention
 from .errors import PlannerError
 
 
@@ -158,7 +158,7 @@ def trace_joint(
         traced_mod = _CastParams(fake_model, param_dtype)
         prefix = "inner."
 
-    with contextlib.ExitStack() as stack, sdpa_kernel(SDPBackend.MATH):
+    with contextlib.ExitStack() as stack, route_attention():
         if blocks:
             stack.enter_context(fx_traceback.preserve_node_meta())
         try:

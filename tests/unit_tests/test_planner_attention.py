@@ -1,0 +1,111 @@
+"""The planner's attention op (attention.py) and shared redistributions ("hubs", solver.py).
+
+One process; planning on a fake process group.  Execution of both on real ranks is covered by
+the 4-rank numerics tests (tests/integration_tests/autoparallel_numerics_test.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchtitan.autoparallel import AutoParallel, CostModel
+from torchtitan.autoparallel.attention import sdpa, softmax_attention_backward
+from torchtitan.autoparallel.cost import Estimator
+from torchtitan.autoparallel.trace import trace_joint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_pg():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal, q_len", [(True, 16), (False, 16), (False, 12)])
+def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, q_len, 8, requires_grad=True)
+    k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    out = sdpa(q2, k2, v2, causal, None)
+    grads = torch.autograd.grad(out, (q2, k2, v2), g)
+    # the same fused CPU kernels as the unplanned model: bitwise equal
+    assert torch.equal(out, ref)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+    # the device-independent backward (used off CPU) agrees to float32 rounding
+    for a, b in zip(softmax_attention_backward(g, q.detach(), k.detach(), v.detach(), causal, None),
+                    ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class Attn(nn.Module):
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96, bias=False)
+        self.masked = masked
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, 4, 8).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.masked else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
+        return out.transpose(1, 2).reshape(b, s, d).sum()
+
+
+def _targets(masked: bool) -> set:
+    with torch.device("meta"):
+        model = Attn(masked)
+    tg = trace_joint(model, lambda: torch.randn(2, 8, 32))
+    return {n.target for n in tg.gm.graph.nodes if n.op == "call_function"}
+
+
+def test_sdpa_is_traced_as_one_op_each_way():
+    targets = _targets(masked=False)
+    assert torch.ops.titan.sdpa.default in targets
+    assert torch.ops.titan.sdpa_backward.default in targets
+    assert torch.ops.aten.bmm.default not in targets  # no [batch*heads] flattening
+
+
+def test_sdpa_with_a_mask_keeps_the_math_decomposition():
+    targets = _targets(masked=True)
+    assert torch.ops.titan.sdpa.default not in targets
+    assert torch.ops.aten.bmm.default in targets
+
+
+class Fanout(nn.Module):
+    """One value read by three consumers."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(256))
+
+    def forward(self, x):
+        h = x * self.scale
+        return h.relu(), h.sigmoid(), h.tanh()
+
+
+def test_value_read_by_three_consumers_is_gathered_once():
+    """Input split on batch, outputs pinned replicated: gathering h once (its hub) and
+    computing the three ops replicated beats three gathers; the forward pays one."""
+    mesh = init_device_mesh("cpu", (4,))
+    with torch.device("meta"):
+        model = Fanout()
+    with AutoParallel(model, lambda: torch.randn(64, 256), mesh) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        autop.add_output_constraints([(Replicate(),)] * 3)
+        plan = autop.optimize_placement()
+    one_gather = Estimator(CostModel.for_device("h100"), (4,)).comm_us(
+        (Shard(0),), (Replicate(),), (64, 256), 4)
+    assert plan.nodes["mul"]["out"] == ["S(0)"] and plan.nodes["mul"]["hubs"] == ["R"]
+    assert plan.predicted["fwd_comm_us"] == pytest.approx(one_gather)

@@ -1,0 +1,168 @@
+"""Attention as one op the planner can split by batch and by head.
+
+Traced through the MATH backend, `F.scaled_dot_product_attention` becomes matmuls over a
+flattened `[batch * heads, seq, head_dim]` view.  With the batch split on one mesh dim and the
+heads on another, that flattened dim is a `_StridedShard` the strategies drop, so head-parallel
+(Megatron) attention could not be planned, and the `seq x seq` probabilities were saved for
+backward.
+
+While tracing, `route_attention()` sends every SDPA call without mask, dropout or grouped
+heads to `torch.ops.titan.sdpa` (forward) and `torch.ops.titan.sdpa_backward`, so the joint
+graph holds attention as two nodes.  Their sharding rules (registered with DTensor, so the
+same rules serve planning and execution) split batch or heads on any mesh dim; the backward
+recomputes the forward from q, k, v (saved activations are those of a flash kernel: q, k, v).
+On CPU both run torch's fused flash kernels — the forward is the very call the unplanned
+model makes; elsewhere the forward is `F.scaled_dot_product_attention` and the backward the
+textbook softmax gradient.  Other SDPA calls keep the MATH decomposition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
+
+_aten = torch.ops.aten
+
+
+@torch.library.custom_op("titan::sdpa", mutates_args=())
+def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]) -> Tensor:
+    """Attention over [batch, heads, seq, head_dim]; output contiguous."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale).contiguous()
+
+
+@sdpa.register_fake
+def _(q, k, v, is_causal, scale):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                               scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of attention w.r.t. q, k, v from the textbook formulas (probabilities
+    recomputed in float32), for any device; contiguous."""
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * s
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    g = grad_out.float()
+    d_probs = torch.matmul(g, v.float().transpose(-2, -1))
+    d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * s
+    dq = torch.matmul(d_scores, k.float())
+    dk = torch.matmul(d_scores.transpose(-2, -1), q.float())
+    dv = torch.matmul(probs.transpose(-2, -1), g)
+    return tuple(t.to(x.dtype).contiguous() for t, x in ((dq, q), (dk, k), (dv, v)))
+
+
+@torch.library.custom_op("titan::sdpa_backward", mutates_args=())
+def sdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                  scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `sdpa` w.r.t. q, k, v, recomputing the forward; outputs contiguous."""
+    return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
+
+
+@sdpa_backward.register_kernel("cpu")
+def _(grad_out, q, k, v, is_causal, scale):
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # the fused CPU kernel's one limit here
+        return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@sdpa_backward.register_fake
+def _(grad_out, q, k, v, is_causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx, grad_out):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = sdpa_backward(grad_out, q, k, v, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+sdpa.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- sharding: every tensor split alike on batch (dim 0) or heads (dim 1), or all replicated
+def _split_alike(n_out: int, n_tensor_in: int) -> list:
+    rules = []
+    for p in (Replicate(), Shard(0), Shard(1)):
+        rules.append(([p] * n_out, [p] * n_tensor_in + [None, None]))
+    return rules
+
+
+@register_sharding(torch.ops.titan.sdpa.default)
+def _sdpa_sharding(q, k, v, is_causal, scale):
+    return _split_alike(1, 3)
+
+
+@register_sharding(torch.ops.titan.sdpa_backward.default)
+def _sdpa_backward_sharding(grad_out, q, k, v, is_causal, scale):
+    return _split_alike(3, 4)
+
+
+# ---- FLOPs for the cost model: 2 matmuls forward; backward recomputes them and adds 4
+def _attention_flops(q_shape, k_shape, v_shape) -> int:
+    *batch, lq, e = q_shape
+    return 2 * math.prod(batch) * lq * k_shape[-2] * (e + v_shape[-1])
+
+
+@register_flop_formula(torch.ops.titan.sdpa)
+def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _attention_flops(q_shape, k_shape, v_shape)
+
+
+@register_flop_formula(torch.ops.titan.sdpa_backward)
+def _sdpa_backward_flops(g_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return 3 * _attention_flops(q_shape, k_shape, v_shape)
+
+
+# ---- routing F.scaled_dot_product_attention while tracing
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False) -> dict:
+    return dict(q=query, k=key, v=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _routable(a: dict) -> bool:
+    q, k, v = a["q"], a["k"], a["v"]
+    return (a["attn_mask"] is None and a["dropout_p"] == 0.0 and not a["enable_gqa"]
+            and all(isinstance(t, Tensor) and t.ndim == 4 for t in (q, k, v))
+            and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
+            and q.dtype == k.dtype == v.dtype)
+
+
+class _RouteAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            a = _sdpa_args(*args, **kwargs)
+            if _routable(a):
+                return sdpa(a["q"], a["k"], a["v"], bool(a["is_causal"]), a["scale"])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def route_attention():
+    """While tracing: routable SDPA calls become `titan.sdpa`; the rest decompose through the
+    MATH backend (bmm / softmax, which DTensor has rules for)."""
+    with sdpa_kernel(SDPBackend.MATH), _RouteAttention():
+        yield
