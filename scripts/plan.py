@@ -123,7 +123,11 @@ def fsdp_plan(params, names):
 def fsdp_tp_plan(params, names):
     """torchtitan's FSDP + Megatron TP (sequence parallel): colwise wq/wk/wv/w1/w3 and the
     output projection Shard(0) on tp, rowwise wo/w2 Shard(1) on tp, the embedding Shard(0) on
-    tp (rowwise), norms replicated on tp; Shard(0) on dp for all."""
+    tp (rowwise), norms replicated on tp.  FSDP2 shards dim 0 of the TP shard on dp (a
+    `_StridedShard`), so its gathers are dp all-gathers of the TP shard; pinning that as
+    Shard(0) on both dims would price DTensor's nested-sharding path instead (a tp all-gather
+    first, then a dp all-gather of 8x the bytes).  The same traffic and memory result from
+    sharding the *other* matrix dim on dp where tp splits dim 0, which is what is pinned."""
     from torch.distributed.tensor import Replicate, Shard
 
     dp, tp = _dp_dim(names), _tp_dim(names)
@@ -136,7 +140,8 @@ def fsdp_tp_plan(params, names):
             on_tp = Shard(1)
         else:
             on_tp = Replicate()
-        out[f] = tuple(Shard(0) if d == dp else on_tp if d == tp else Replicate() for d in range(len(names)))
+        on_dp = Shard(1) if on_tp == Shard(0) and len(shape) > 1 else Shard(0)
+        out[f] = tuple(on_dp if d == dp else on_tp if d == tp else Replicate() for d in range(len(names)))
     return out
 
 

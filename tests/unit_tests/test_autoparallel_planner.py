@@ -291,3 +291,38 @@ def test_blocks_that_differ_at_run_time_are_reported():
                       share_repeated=False) as exact:
         exact.add_input_constraints([(Shard(0),)])
         assert not exact.apply_placement(exact.optimize_placement()) is None
+
+
+# ------------------------------------------------------------------ cost model
+def test_redistribution_steps_follow_dtensor():
+    """The cost model prices the steps DTensor takes, in its order (which link moves the
+    large tensor depends on it), for every pair of placements on a 2-D mesh."""
+    import itertools
+
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from torchtitan.autoparallel.cost import redistribution_steps
+
+    mesh = init_device_mesh("cpu", (2, 4))
+    meta = TensorMeta(torch.Size([16, 16]), (16, 1), torch.float32)
+    sources = list(itertools.product([Replicate(), Shard(0), Shard(1), Partial()], repeat=2))
+    targets = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2))
+    for src, tgt in itertools.product(sources, targets):
+        theirs = [(i.mesh_dim, *i.src_dst_placements) for i in _gen_transform_infos(
+            DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, tgt, tensor_meta=meta))]
+        assert redistribution_steps(src, tgt) == theirs, (src, tgt)
+
+
+def test_nested_gather_moves_the_large_tensor_over_the_outer_link():
+    from torchtitan.autoparallel.cost import Estimator
+
+    slow, fast = LinkSpec(0.0, 1.0), LinkSpec(0.0, 100.0)
+    est = Estimator(CostModel(device=DEVICES["h100"], links=[slow, fast]), (2, 4))
+    nbytes = 1024 * 1024 * 4  # the full tensor
+    us = est.comm_us((Shard(0), Shard(0)), (Replicate(), Replicate()), (1024, 1024), 4)
+    # inner (fast) gather of an eighth to a half, then the outer (slow) gather to the whole
+    inner = 3 / 4 * (nbytes / 2) / (100.0 * 1e3)
+    outer = 1 / 2 * nbytes / (1.0 * 1e3)
+    assert us == pytest.approx(inner + outer)

@@ -51,7 +51,8 @@ def _llama(flavor: str, **over):
         return Transformer(args), args
 
 
-def _solve(model, args, mesh_shape, names, batch, seq, device="h100", share=True, param_high=None):
+def _solve(model, args, mesh_shape, names, batch, seq, device="h100", share=True, param_high=None,
+           with_planner=False):
     world = 1
     for s in mesh_shape:
         world *= s
@@ -62,7 +63,8 @@ def _solve(model, args, mesh_shape, names, batch, seq, device="h100", share=True
         autop.add_parameter_memory_constraint(high=param_high)
         autop.add_input_constraints([pin])
         autop.add_output_constraints([pin])
-        return autop.optimize_placement()
+        plan = autop.optimize_placement()
+    return (plan, autop) if with_planner else plan
 
 
 # ------------------------------------------------------------------ scripts/plan.py
@@ -146,25 +148,50 @@ def test_llama3_8b_on_8_ranks_is_fsdp():
     assert activation_comm <= 0.01 * p["compute_us"], p
 
 
-def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp():
+def _matmul_weights(autop, plan) -> dict[str, str]:
+    """FQN -> the placement of the weight operand ([in, out] after the transpose) of the
+    forward matmul that reads the parameter: the layout the matmul computes with.  It may
+    differ from the stored placement; the solver prices the change like a gather."""
+    tg, out = autop.tg, {}
+    for fqn, node in tg.params.items():
+        while True:  # through the transpose (and any cast or view) to the matmul
+            user = next(u for u in node.users if u in tg.forward_nodes)
+            ins = [a for a in user.all_input_nodes if a.op != "get_attr"]
+            if len(ins) > 1:
+                out[fqn] = plan.nodes[user.name]["ins"][ins.index(node)]
+                break
+            node = user
+    return out
+
+
+@pytest.mark.parametrize("seq", [2048, 8192])
+def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp(seq):
     """Llama3-70B (n_layers=2 of the 70B flavor), mesh (dp=4 nodes, tp=8 GPUs per node), FSDP-
-    level parameter memory: every layer matrix is split on tp (tensor parallel inside the node)
-    and on dp; the MLP is Megatron-style (w1/w3 Shard(0) on tp, w2 Shard(1) on tp), attention
-    runs head-parallel on tp and wo is row-parallel (Shard(1) on tp).  Gathering a 70B layer
-    over InfiniBand every step is slower than TP's activation collectives over NVLink.  (How
-    the q/k/v projections reach head-split: see benchmarks/planner.md.)"""
+    level parameter memory, one sequence per dp rank.  Both lengths: every layer matrix is stored
+    split on tp (tensor parallel inside the node) and on dp, the MLP is Megatron (w1/w3 split by
+    output on tp, w2 by input), attention runs head-parallel on tp.  Gathering a 70B layer over
+    InfiniBand every step is slower than TP's activation collectives over NVLink.
+
+    At 2048 tokens the attention projections are Megatron's too (wq/wk/wv by output, wo by
+    input, the normalised activations gathered once for all three).  At 8192 tokens per rank
+    activation collectives cost 4x more while weight gathers (hidden behind compute) do not,
+    and the solver moves wo (and the small GQA wk/wv) to token-parallel compute with the weight
+    gathered, reaching head-split through all-to-alls (Ulysses-style); see benchmarks/planner.md."""
     with fake_world(32):
-        model, args = _llama("70B", n_layers=2, max_seq_len=8192)
-        plan = _solve(model, args, (4, 8), ("dp", "tp"), 4, 8192, param_high=None)
+        model, args = _llama("70B", n_layers=2, max_seq_len=seq)
+        plan, autop = _solve(model, args, (4, 8), ("dp", "tp"), 4, seq, param_high=None,
+                             with_planner=True)
+    used = _matmul_weights(autop, plan)  # column-parallel: S(1) on tp; row-parallel: S(0)
     for fqn, pl in plan.params.items():
         if "layers." not in fqn or fqn.endswith("norm.weight"):
             continue
         dp, tp = pl.split(",")
         assert tp.startswith("S(") and dp.startswith("S("), (fqn, pl)
-        if _leaf(fqn) in ("w1", "w3"):
-            assert tp == "S(0)", (fqn, pl)
-        if _leaf(fqn) in ("w2", "wo"):
-            assert tp == "S(1)", (fqn, pl)
+        tp_used = used[fqn].split(",")[1]
+        if _leaf(fqn) in ("w1", "w3") or (seq == 2048 and _leaf(fqn) in ("wq", "wk", "wv")):
+            assert tp_used == "S(1)", (fqn, used[fqn])
+        if _leaf(fqn) == "w2" or (seq == 2048 and _leaf(fqn) == "wo"):
+            assert tp_used == "S(0)", (fqn, used[fqn])
     attention = [d for d in plan.nodes.values() if d["op"] == "titan.sdpa.default"]
     assert len(attention) == 2
     for d in attention:  # q, k, v: [batch, heads, seq, head_dim], heads split on tp

@@ -162,37 +162,53 @@ class Estimator:
         if src == tgt:
             return 0.0
         cur = list(src)
-        nbytes = math.prod(P.local_shape(shape, src, self.mesh_shape)) * itemsize
         total = 0.0
-        # gathers / reductions first (they grow the local size), then local slices
-        order = sorted(range(len(src)), key=lambda d: (isinstance(tgt[d], Replicate) is False, d))
-        for d in order:
-            s, t = cur[d], tgt[d]
-            if s == t:
-                continue
+        for d, s, t in redistribution_steps(src, tgt):
+            if isinstance(t, Partial):
+                return INF  # creating a Partial is never a redistribution we allow
+            # bytes this rank holds before the step, under the placements reached so far
+            nbytes = math.prod(P.local_shape(shape, tuple(cur), self.mesh_shape)) * itemsize
             n = self.mesh_shape[d]
             link = self.links[d]
             frac = (n - 1) / n
             bw = link.bw_gbps * 1e9 / 1e6  # bytes per us
-            if isinstance(t, Partial):
-                return INF  # creating a Partial is never a redistribution we allow
-            if isinstance(s, Shard) and isinstance(t, Replicate):
+            if isinstance(s, Shard) and isinstance(t, Replicate):  # all-gather
                 total += link.latency_us + frac * nbytes * n / bw
-                nbytes *= n
-            elif isinstance(s, Shard) and isinstance(t, Shard):
+            elif isinstance(s, Shard) and isinstance(t, Shard):  # all-to-all
                 total += link.latency_us + frac * nbytes / bw
-            elif isinstance(s, Partial) and isinstance(t, Replicate):
+            elif isinstance(s, Partial) and isinstance(t, Replicate):  # all-reduce
                 total += 2 * (link.latency_us + frac * nbytes / bw)
-            elif isinstance(s, Partial) and isinstance(t, Shard):
+            elif isinstance(s, Partial) and isinstance(t, Shard):  # reduce-scatter
                 total += link.latency_us + frac * nbytes / bw
-                nbytes = -(-nbytes // n)
-            elif isinstance(s, Replicate) and isinstance(t, Shard):
-                total += 0.0  # local slice
-                nbytes = -(-nbytes // n)
-            else:
+            elif not (isinstance(s, Replicate) and isinstance(t, Shard)):  # (a free local slice)
                 return INF
             cur[d] = t
         return total
+
+
+def redistribution_steps(src: P.Placements, tgt: P.Placements) -> list[tuple[int, object, object]]:
+    """The one-mesh-dim steps DTensor's (greedy) redistribution takes from src to tgt, in order:
+    if src shards anything, inner mesh dims first, a dim whose target sharding sits under a different outer sharding
+    of the same tensor dim going through Replicate; then outer to inner for what remains.
+    Order matters for the price: gathering S(0),S(0) -> R,R moves the small tensor over the
+    inner (tp) link and the large one over the outer (dp) link."""
+    cur, steps = list(src), []
+
+    def sharded_on(pls, dim: int, below: int) -> list[int]:
+        return [i for i in range(below) if isinstance(pls[i], Shard) and pls[i].dim == dim]
+
+    for d in reversed(range(len(src)) if any(isinstance(p, Shard) for p in src) else ()):
+        t = tgt[d]
+        if isinstance(t, Shard) and sharded_on(cur, t.dim, d) != sharded_on(tgt, t.dim, d):
+            t = Replicate()
+        if cur[d] != t:
+            steps.append((d, cur[d], t))
+            cur[d] = t
+    for d in range(len(src)):
+        if cur[d] != tgt[d]:
+            steps.append((d, cur[d], tgt[d]))
+            cur[d] = tgt[d]
+    return steps
 
 
 def _flops(f, op, args, in_vals, in_pls, out_vals, out_pls, mesh_shape) -> float:
