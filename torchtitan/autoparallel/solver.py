@@ -264,15 +264,18 @@ class PlacementSolver:
         return c
 
     def _pairs(self, emitted: tuple, required: tuple, shape: tuple, elem_size: int,
-               frozen: bool) -> list:
+               frozen: bool, sink: bool = False) -> list:
         """(emitted, required, cost) of the redistributions an edge may use; memoised, as
-        repeated layers ask the same question many times."""
-        key = (emitted, required, shape, elem_size, frozen)
+        repeated layers ask the same question many times.  Edges into a sink (a gradient
+        leaving in its parameter's placement, an output in its pinned one) may take any
+        number of steps: there are few of them, and a gradient that is partial on two mesh
+        dims (a sequence-parallel norm's weight under FSDP) needs two collectives."""
+        key = (emitted, required, shape, elem_size, frozen, sink)
         hit = self._pair_memo.get(key)
         if hit is None:
             hit = self._pair_memo[key] = [
                 (o, r, c) for o in emitted for r in required
-                if (o == r or not frozen) and _direct(o, r)
+                if (o == r or not frozen) and (sink or _direct(o, r))
                 and (c := self.est.comm_us(o, r, shape, elem_size)) != INF]
         return hit
 
@@ -353,8 +356,9 @@ class PlacementSolver:
             key0 = members[0]
             overlappable = eta > 0 and (src[0] in pside or key0[0] == "grad"
                                         or (isinstance(key0[0], fx.Node) and key0[0] in gside))
+            sink = key0[0] in ("grad", "output")
             for o, r, c in self._pairs(tuple(prod), tuple(cons_groups), tuple(val.shape),
-                                       val.element_size(), frozen):
+                                       val.element_size(), frozen, sink):
                 tie = TIE_BREAK_US if o != r else 0.0
                 if overlappable:
                     y = m.var((c * (1.0 - eta) + tie) * count)
