@@ -7,6 +7,8 @@ Variables
   producer's strategies emitting o; for every r, sum_o y = sum of x over the consumer's
   strategies needing r.  Pairs whose redistribution is impossible get no variable.
 * `w[k, r]` (binary): the placement in which graph output k leaves the graph (a "sink").
+* `h[v, p]` (binary): for a value read by several consumers, the one placement p it is
+  redistributed to ("hub", `_hub`); its consumers' edges start from the hub.
 
 Constraints beyond consistency: a parameter's gradient leaves in the parameter's placement,
 a forward output's tangent enters in the output's placement, user pins, and the
