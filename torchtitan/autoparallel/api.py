@@ -88,6 +88,7 @@ class AutoParallel:
         self.tg = None
         self.table = None
         self._param_shapes: dict[str, list[int]] | None = None
+        self._clustered_for: frozenset | None = None  # the pinned nodes `_cluster` last saw
 
     # ------------------------------------------------------------------
     def __enter__(self) -> "AutoParallel":
@@ -150,7 +151,7 @@ class AutoParallel:
         if not self.share_repeated:
             return
         pinned = frozenset(c.node for c in self._constraints if c.node is not None)
-        if getattr(self, "_clustered_for", None) == pinned:
+        if self._clustered_for == pinned:
             return
         names = {n: f for f, n in {**self.tg.params, **self.tg.buffers}.items()}
         self.solver.rep = cluster_nodes(self.table, unique=pinned, names=names)

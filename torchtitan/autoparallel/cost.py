@@ -188,8 +188,9 @@ class Estimator:
 
 def redistribution_steps(src: P.Placements, tgt: P.Placements) -> list[tuple[int, object, object]]:
     """The one-mesh-dim steps DTensor's (greedy) redistribution takes from src to tgt, in order:
-    if src shards anything, inner mesh dims first, a dim whose target sharding sits under a different outer sharding
-    of the same tensor dim going through Replicate; then outer to inner for what remains.
+    if src shards anything, inner mesh dims first (a dim whose target sharding sits under a
+    different outer sharding of the same tensor dim goes through Replicate); then outer to
+    inner for what remains.
     Order matters for the price: gathering S(0),S(0) -> R,R moves the small tensor over the
     inner (tp) link and the large one over the outer (dp) link."""
     cur, steps = list(src), []
