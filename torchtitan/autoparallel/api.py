@@ -27,6 +27,7 @@ from torch.distributed.tensor import Placement
 from . import placements as P
 from . import repeat
 from .apply import GraphRunner, build_parallel_module
+from .buckets import fsdp_units
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
@@ -62,12 +63,18 @@ class AutoParallel:
     called under a fake tensor mode, so it allocates nothing.  `cost_model` is a `CostModel`
     or a device name ("cpu", "a100", "h100", "h200").  `grad_reduction="mean"` divides output
     gradients by the number of batch shards (DDP/FSDP semantics for a per-rank mean loss).
+
+    Execution (`apply_placement`): `executor="lowered"` runs the plan as local forward and
+    backward graphs (lower.py, executor.py; "dtensor" interprets it over DTensors, a reference
+    path); `reshard_after_forward` re-gathers parameters in the backward instead of keeping
+    them; `bucket` merges each unit's parameter gathers and gradient reductions (buckets.py).
     """
 
     def __init__(self, model: nn.Module, input_fn: Callable[[], Any], mesh: DeviceMesh,
                  mp_policy=None, cost_model: CostModel | str | None = None,
                  solver_time_limit: float = 300.0, grad_reduction: str = "mean",
-                 share_repeated: bool = True, backward: str = "plan"):
+                 share_repeated: bool = True, backward: str = "plan", executor: str = "lowered",
+                 reshard_after_forward: bool = True, bucket: bool = True):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
         check_on_meta(model)
@@ -82,6 +89,8 @@ class AutoParallel:
         self.grad_reduction = grad_reduction
         self.share_repeated = share_repeated
         self.backward = backward
+        self.executor = executor
+        self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
         self.timings: dict[str, float] = {}
         self._constraints: list[UserConstraint] = []
         self._inputs_set = self._outputs_set = False
@@ -405,7 +414,8 @@ class AutoParallel:
             plan = expand_plan(plan, tg)
         t = time.perf_counter()
         runner = GraphRunner(tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction,
-                             self.backward)
+                             self.backward, self.executor, self.reshard_after_forward,
+                             self.bucket, fsdp_units(self.model))
         pm = build_parallel_module(self.model, tg, plan, self.mesh, runner)
         self.timings["apply"] = time.perf_counter() - t
         plan.timings["apply"] = self.timings["apply"]

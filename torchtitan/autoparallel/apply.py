@@ -84,7 +84,9 @@ class GraphRunner:
 
     def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
                  reduce_dtype: torch.dtype | None = None, grad_reduction: str = "mean",
-                 backward: str = "plan"):
+                 backward: str = "plan", executor: str = "lowered",
+                 reshard_after_forward: bool = True, bucket: bool = True,
+                 units: list[str] | None = None):
         if plan.graph_fingerprint and plan.graph_fingerprint != graph_fingerprint(tg.gm):
             raise PlannerError("plan was made for a different traced graph (fingerprint mismatch)")
         if list(plan.mesh_shape) != list(mesh.shape):
@@ -93,10 +95,15 @@ class GraphRunner:
             raise PlannerError(f"grad_reduction must be 'mean' or 'sum', got '{grad_reduction}'")
         if backward not in ("plan", "autograd"):
             raise PlannerError(f"backward must be 'plan' or 'autograd', got '{backward}'")
+        if executor not in ("lowered", "dtensor"):
+            raise PlannerError(f"executor must be 'lowered' or 'dtensor', got '{executor}'")
         self.tg, self.plan, self.mesh = tg, plan, mesh
         self.backward = backward
+        self.executor = executor
+        self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
+        self.units = list(units or [])
         self.compile_kwargs: dict | None = None  # set by the module's compile()
-        self._compiled: dict = {}
+        self._lowered: dict = {}  # input signature -> LoweredPlan (executor.py)
         self.reduce_dtype = reduce_dtype
         self.grad_reduction = grad_reduction
         self.order = [n for n in tg.gm.graph.nodes
@@ -135,6 +142,12 @@ class GraphRunner:
             for v in release.get(node, ()):
                 env.pop(v, None)
                 env.get(_REDISTRIBUTED, {}).pop(v, None)
+
+    def _local_meta(self, i: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Local shape and dtype of forward output i in its planned placement."""
+        val = self.tg.outputs[i].meta["val"]
+        shape, _ = compute_local_shape_and_global_offset(val.shape, self.mesh, self.output_pls[i])
+        return tuple(shape), val.dtype
 
     def _batch_ranks(self) -> int:
         if not self.input_pls:
@@ -238,17 +251,18 @@ class GraphRunner:
 
     @torch._dynamo.disable
     def run(self, module: nn.Module, args: tuple) -> Any:
-        """Execute the plan on local inputs.  Dynamo never traces this interpreter; after
-        `module.compile()` it runs the plan as compiled local graphs instead (compiled.py)."""
+        """Execute the plan on local inputs: as the lowered local graphs (executor.py; after
+        `module.compile()` compiled by inductor), or with `executor="dtensor"` by
+        interpreting the joint graph over DTensors (the reference path)."""
         tg = self.tg
         flat, _ = pytree.tree_flatten(args)
         if len(flat) != len(tg.inputs):
             raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
         env, device = self._placeholders(module, flat)
-        if self.compile_kwargs is not None:
-            from .compiled import run_compiled
+        if self.executor == "lowered" or self.compile_kwargs is not None:
+            from .executor import run_lowered
 
-            return self._finish(run_compiled(self, env, device, self.compile_kwargs))
+            return self._finish(run_lowered(self, env, device, self.compile_kwargs))
         joint = self.backward == "plan" and torch.is_grad_enabled() and any(
             isinstance(env[n], torch.Tensor) and env[n].requires_grad for n in tg.params.values())
         if joint:
@@ -392,9 +406,9 @@ def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: D
         return self._ap_runner.run(self, args)
 
     def compile(self, *args, **kwargs):
-        """Run the plan as compiled local graphs (see compiled.py); kwargs go to torch.compile."""
+        """Run the plan's lowered local graphs compiled (executor.py); kwargs go to
+        torch.compile."""
         self._ap_runner.compile_kwargs = dict(kwargs)
-        self._ap_runner._compiled.clear()
 
     attrs: dict[str, Any] = {"forward": forward, "compile": compile, "__module__": user_cls.__module__}
     if hasattr(user_cls, "init_weights"):

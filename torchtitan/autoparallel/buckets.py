@@ -1,0 +1,277 @@
+"""Stage 5b: FSDP-shaped communication in the lowered graphs, derived from the graph itself.
+
+Two kinds of collectives are *parameter-side* and get FSDP2's treatment:
+
+* **gathers of parameters** — an `all_gather_into_tensor` computed from parameters and buffers
+  alone (possibly after a cast), the first collective on that chain;
+* **gradient reductions** — the first `reduce_scatter_tensor` / `all_reduce` on the chain of
+  single-input ops that ends in a parameter gradient.
+
+Each is assigned to a *unit*, the FSDP2 wrapping torchtitan applies by hand, found from the
+module structure rather than from names: every child of a container (`ModuleList`,
+`ModuleDict`, `Sequential` — a transformer's blocks) is a unit, everything else belongs to the
+root unit.  Collectives of one unit with the same process group, op and dtype are merged into
+one collective over a flat buffer (copy in, one collective, split out).
+
+Schedule (the graph's node order is the eager execution order; the waits of functional
+collectives are where a rank blocks):
+* a unit's parameter gathers are issued right after the first op that consumes the previous
+  unit's gathered parameters (one unit ahead, so they overlap that unit's compute), and waited
+  for just before their own first consumer;
+* a unit's gradient reductions are issued as soon as its last gradient is computed and waited
+  for at the end of the backward;
+* everything else stays in place; what a moved node needs moves with it (just in time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .lower import Partition, param_side
+
+_C = torch.ops._c10d_functional
+AG = _C.all_gather_into_tensor.default
+RS = _C.reduce_scatter_tensor.default
+AR = _C.all_reduce.default
+WAIT = _C.wait_tensor.default
+COLLECTIVES = (AG, RS, AR)
+_aten = torch.ops.aten
+
+
+def fsdp_units(model: nn.Module) -> list[str]:
+    """FQN prefixes of the units: every child of the outermost module containers."""
+    units: list[str] = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            units.extend(prefix + name for name, _c in mod.named_children())
+            return
+        for name, child in mod.named_children():
+            visit(child, prefix + name + ".")
+
+    visit(model, "")
+    return units
+
+
+def unit_of(fqn: str | None, units: list[str]) -> str:
+    best = ""
+    for u in units:
+        if fqn is not None and fqn.startswith(u + ".") and len(u) > len(best):
+            best = u
+    return best
+
+
+def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+                n.target.namespace == "_c10d_functional" and n.target is not WAIT:
+            out[n.target._opname] += 1
+    return dict(out)
+
+
+def bucket_collectives(part: Partition, units: list[str], enabled: bool = True) -> dict:
+    """Merge and schedule the parameter-side collectives of both graphs in place; returns the
+    collective counts of each graph before and after."""
+    stats = {"fwd_before": count_collectives(part.fwd), "bwd_before": count_collectives(part.bwd)}
+    fwd_params = {n: f for n, f in zip(_placeholders(part.fwd), part.fwd_names) if f is not None}
+    bwd_params = {n: f for n, f in zip(_placeholders(part.bwd), part.saved_names) if f is not None}
+    part.fwd = _GraphBuckets(part.fwd, fwd_params, {}, units, enabled).run()
+    out = next(n for n in part.bwd.graph.nodes if n.op == "output")
+    grads = {o: f for o, f in zip(out.args[0], part.grad_names) if isinstance(o, fx.Node)}
+    part.bwd = _GraphBuckets(part.bwd, bwd_params, grads, units, enabled).run()
+    stats["fwd"] = count_collectives(part.fwd)
+    stats["bwd"] = count_collectives(part.bwd)
+    return stats
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _single_wait(c: fx.Node) -> fx.Node | None:
+    users = list(c.users)
+    return users[0] if len(users) == 1 and users[0].target is WAIT else None
+
+
+class _GraphBuckets:
+    def __init__(self, gm: fx.GraphModule, params: dict, grads: dict, units: list[str],
+                 enabled: bool):
+        self.gm, self.graph = gm, gm.graph
+        self.params, self.grads, self.units, self.enabled = params, grads, units, enabled
+        self.side = param_side(self.graph.nodes, set(params))
+        self.index = {n: i for i, n in enumerate(self.graph.nodes)}
+
+    # ------------------------------------------------------------------ analysis
+    def _origin(self, node: fx.Node) -> str | None:
+        """FQN of the first parameter/buffer `node` is computed from."""
+        seen, stack, found = set(), [node], []
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in self.params:
+                found.append(n)
+            stack.extend(n.all_input_nodes)
+        return self.params[min(found, key=self.index.__getitem__)] if found else None
+
+    def _gathers(self) -> list[fx.Node]:
+        """First-level parameter gathers (no collective earlier on their chain)."""
+        upstream: dict[fx.Node, bool] = {}
+        out = []
+        for n in self.graph.nodes:
+            if n not in self.side:
+                continue
+            up = any(upstream.get(a, False) for a in n.all_input_nodes)
+            if n.target is AG and not up and _single_wait(n) is not None:
+                out.append(n)
+            upstream[n] = up or n.target in COLLECTIVES
+        return out
+
+    def _reductions(self) -> dict[fx.Node, str]:
+        """The first reduction on each gradient's single-input chain -> its parameter FQN."""
+        out = {}
+        for o, fqn in self.grads.items():
+            top, cur = None, o
+            while cur.op == "call_function" and len(cur.all_input_nodes) == 1:
+                if cur.target in (RS, AR):
+                    top = cur
+                cur = cur.all_input_nodes[0]
+            if top is not None and top not in self.side and _single_wait(top) is not None:
+                out[top] = fqn
+        return out
+
+    def _first_use(self) -> dict[fx.Node, float]:
+        """Parameter-side node -> index of the first non-parameter-side node that needs it."""
+        first: dict[fx.Node, float] = {}
+        for n in reversed(list(self.graph.nodes)):
+            if n in self.side:
+                first[n] = min((first[u] if u in self.side else self.index[u] for u in n.users),
+                               default=math.inf)
+        return first
+
+    # ------------------------------------------------------------------ rewrite
+    def run(self) -> fx.GraphModule:
+        gathers, reductions = self._gathers(), self._reductions()
+        first = self._first_use()
+        groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+        unit_first: dict[str, float] = {}
+        for c in gathers:
+            unit = unit_of(self._origin(c), self.units)
+            groups[(unit, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)].append(c)
+            unit_first[unit] = min(unit_first.get(unit, math.inf), first[c])
+        for c, fqn in reductions.items():
+            unit = unit_of(fqn, self.units)
+            groups[(unit, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)].append(c)
+
+        anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
+        late: set[fx.Node] = set()  # waits that go to the end
+        order = sorted(unit_first, key=unit_first.__getitem__)
+        issue_at = {u: (unit_first[order[i - 1]] + 0.5 if i else -1.0) for i, u in enumerate(order)}
+        for (unit, target, _args, _dt), members in groups.items():
+            if self.enabled and len(members) > 1:
+                members = [self._merge(target, members)]
+            for c in members:
+                if target is AG:
+                    anchor[c] = issue_at[unit]
+                else:
+                    late.add(next(iter(c.users)))
+        return self._schedule(anchor, late)
+
+    def _merge(self, target, members: list[fx.Node]) -> fx.Node:
+        """Replace `members` (same op, group and dtype) by one collective on a flat buffer."""
+        g = self.graph
+        extra = members[0].args[1:]
+        ins = [c.args[0] for c in members]
+        shapes = [list(x.meta["val"].shape) for x in ins]
+        numels = [math.prod(s) for s in shapes]
+        with g.inserting_before(members[0]):
+            if target is AG:
+                n = extra[0]
+                flat = [g.call_function(_aten.reshape.default, (x, [-1])) for x in ins]
+                buf = g.call_function(_aten.cat.default, (flat,))
+                coll = g.call_function(target, (buf, *extra))
+                w = g.call_function(WAIT, (coll,))
+                rows = g.call_function(_aten.view.default, (w, [n, sum(numels)]))
+                parts = g.call_function(_aten.split_with_sizes.default, (rows, numels, 1))
+                outs = [g.call_function(_aten.reshape.default, (
+                    g.call_function(operator.getitem, (parts, i)), [n * s[0], *s[1:]]))
+                        for i, s in enumerate(shapes)]
+            else:
+                n = extra[1] if target is RS else 1
+                rows = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
+                buf = g.call_function(_aten.cat.default, (rows, 1))
+                coll = g.call_function(target, (buf, *extra))
+                w = g.call_function(WAIT, (coll,))
+                flat = g.call_function(_aten.view.default, (w, [-1]))
+                parts = g.call_function(_aten.split_with_sizes.default,
+                                        (flat, [k // n for k in numels], 0))
+                outs = [g.call_function(_aten.view.default, (
+                    g.call_function(operator.getitem, (parts, i)), [s[0] // n, *s[1:]] if target is RS else s))
+                        for i, s in enumerate(shapes)]
+        for c, o in zip(members, outs):
+            old_wait = next(iter(c.users))
+            old_wait.replace_all_uses_with(o)
+            g.erase_node(old_wait)
+            g.erase_node(c)
+        return coll
+
+    def _schedule(self, anchor: dict, late: set) -> fx.GraphModule:
+        """Re-emit the graph in dependency order, each node as close as possible to its key:
+        its original position; anchored collectives at their issue point; parameter-side
+        nodes just before their first user; late waits at the end."""
+        nodes = _topological(list(self.graph.nodes))
+        side = param_side(nodes, set(self.params))
+        key: dict[fx.Node, float] = {}
+        for n in nodes:
+            if n.op == "placeholder":
+                key[n] = -math.inf
+            elif n.op == "output":
+                key[n] = math.inf
+            elif n in anchor:
+                key[n] = anchor[n]
+            elif n in late:
+                key[n] = 1e18
+            elif n in side:
+                continue  # below: just in time
+            elif n in self.index:
+                key[n] = self.index[n]
+            else:  # made by merging: as soon as its inputs are ready
+                key[n] = max((key.get(a, -1.0) for a in n.all_input_nodes), default=-1.0) + 1e-3
+        for n in reversed(nodes):
+            if n not in key:
+                key[n] = min((key[u] for u in n.users), default=math.inf) - 1e-6
+        emitted = _topological(nodes, key)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in emitted:
+            env[n] = g.node_copy(n, env.__getitem__)
+        g.lint()
+        return fx.GraphModule(self.gm, g)
+
+
+def _topological(nodes: list[fx.Node], key: dict | None = None) -> list[fx.Node]:
+    """`nodes` in a dependency order; among ready nodes the smallest `key` first (default:
+    the given order)."""
+    tie = {n: i for i, n in enumerate(nodes)}
+    key = key if key is not None else tie
+    indeg = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(key[n], tie[n], n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _k, _t, n = heapq.heappop(ready)
+        out.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (key[u], tie[u], u))
+    return out

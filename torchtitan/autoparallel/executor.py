@@ -1,0 +1,102 @@
+"""Stage 5c: run a plan as its lowered local graphs — the same program eager and compiled.
+
+Per input signature (local shapes and dtypes of parameters, buffers and inputs) the plan is
+lowered once (lower.py), partitioned into a forward and a backward graph, and its collectives
+grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
+ATen ops and functional collectives, no DTensor dispatch.  After `module.compile()` the *same*
+two graphs are handed to `torch.compile`.  A custom autograd function connects them: the
+forward graph returns the outputs and the saved values, the backward graph maps those and the
+output gradients to parameter gradients in their planned placements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .buckets import bucket_collectives, fsdp_units
+from .lower import lower_joint, partition
+
+
+class LoweredPlan:
+    """The forward and backward local graphs of one input signature, ready to call."""
+
+    def __init__(self, runner, keys: list[fx.Node], placements: list, locals_: list,
+                 device, compile_kwargs: dict | None):
+        tg = runner.tg
+        out_vals = [runner._local_meta(i) for i in range(len(tg.outputs))]
+        tangent_keys, tangent_pls, tangent_locals = [], [], []
+        self.tangent_slots = []
+        for i, t in enumerate(tg.tangents):
+            if t is None:
+                continue
+            shape, dtype = out_vals[i]
+            tangent_keys.append(t)
+            tangent_pls.append(runner.output_pls[i])
+            tangent_locals.append(torch.empty(shape, dtype=dtype, device=device))
+            self.tangent_slots.append(i)
+        self.out_like = out_vals
+        joint = lower_joint(runner, keys + tangent_keys, placements + tangent_pls,
+                            locals_ + tangent_locals, device)
+        part = partition(joint, runner.reshard_after_forward)
+        units = runner.units
+        self.stats = bucket_collectives(part, units, enabled=runner.bucket)
+        self.partition = part
+        self.n_out = part.n_outputs
+        # the backward graph returns one gradient per parameter that gets one, in this order
+        slot_of = {runner.param_of.get(k): i for i, k in enumerate(keys) if k in runner.param_of}
+        self.grad_slots = [slot_of[f] for f in part.grad_names]
+        self.n_in = len(keys)
+        if compile_kwargs is None:
+            self.fwd, self.bwd = part.fwd, part.bwd
+        else:
+            self.fwd = torch.compile(part.fwd, **compile_kwargs)
+            self.bwd = torch.compile(part.bwd, **compile_kwargs)
+
+
+class _PlanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lp: LoweredPlan, *locals_):
+        res = lp.fwd(*locals_)
+        ctx.lp, ctx.saved = lp, res[lp.n_out:]
+        # outputs that are also saved would make autograd see a tensor it returns as an input
+        # of its own backward; hand out views instead
+        return tuple(o.view_as(o) for o in res[:lp.n_out])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lp = ctx.lp
+        tangents = []
+        for i in lp.tangent_slots:
+            g = grads[i]
+            if g is None:
+                shape, dtype = lp.out_like[i]
+                g = torch.zeros(shape, dtype=dtype, device=ctx.saved[0].device if ctx.saved else None)
+            tangents.append(g.contiguous())
+        out = lp.bwd(*ctx.saved, *tangents)
+        ctx.saved = None
+        res: list = [None] * lp.n_in
+        for slot, g in zip(lp.grad_slots, out):
+            res[slot] = g
+        return (None, *res)
+
+
+def run_lowered(runner, env: dict, device, compile_kwargs: dict | None) -> list[torch.Tensor]:
+    """Run the plan through its (lazily lowered) local graphs; returns local outputs."""
+    keys = list(env)
+    values = [env[k] for k in keys]
+    locals_ = [v.to_local() for v in values]
+    sig = (compile_kwargs is not None,
+           tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
+    lp = runner._lowered.get(sig)
+    if lp is None:
+        lp = runner._lowered[sig] = LoweredPlan(
+            runner, keys, [v.placements for v in values], [x.detach() for x in locals_],
+            device, compile_kwargs)
+    if not torch.is_grad_enabled():
+        return list(lp.fwd(*locals_)[:lp.n_out])
+    # to_local keeps autograd: gradients of the local shards flow back into the DTensor params
+    return list(_PlanFunction.apply(lp, *locals_))
+
+
+__all__ = ["LoweredPlan", "run_lowered", "fsdp_units"]
