@@ -79,3 +79,68 @@ def tiny_llama(n_layers: int = 2, vocab: int = 256, seq: int = 16):
     args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=vocab, max_seq_len=seq,
                                n_layers=n_layers)
     return Transformer(args)
+
+
+class TiedLM(nn.Module):
+    """GPT-style LM with learned positions, LayerNorm blocks and an LM head tied to the token
+    embedding (one parameter under two FQNs); `dropout` > 0 adds train-mode dropout."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, max_seq: int = 16,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_seq, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
+                          nn.Linear(2 * dim, dim), nn.Dropout(dropout))
+            for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.1)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.uniform_(m.bias, -0.1, 0.1)
+            if isinstance(m, nn.LayerNorm):
+                nn.init.uniform_(m.weight, 0.5, 1.5)
+                nn.init.uniform_(m.bias, -0.1, 0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+class Mixer(nn.Module):
+    """MLP-Mixer-like: LayerNorm, token mixing (an MLP across the sequence, via transposes)
+    and channel mixing per block, then a regression head."""
+
+    def __init__(self, seq: int = 8, dim: int = 32, n_layers: int = 2):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * n_layers))
+        self.token_mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(seq, 2 * seq), nn.GELU(), nn.Linear(2 * seq, seq))
+            for _ in range(n_layers))
+        self.channel_mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            for _ in range(n_layers))
+        self.head = nn.Linear(dim, dim)
+
+    def init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.1)
+                nn.init.uniform_(m.bias, -0.1, 0.1)
+            if isinstance(m, nn.LayerNorm):
+                nn.init.uniform_(m.weight, 0.5, 1.5)
+                nn.init.uniform_(m.bias, -0.1, 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (tok, ch) in enumerate(zip(self.token_mlps, self.channel_mlps)):
+            x = x + tok(self.norms[2 * i](x).transpose(1, 2)).transpose(1, 2)
+            x = x + ch(self.norms[2 * i + 1](x))
+        return self.head(x)

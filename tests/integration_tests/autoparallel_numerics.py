@@ -35,7 +35,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from autoparallel_models import GPT2Block, MLPStack, tiny_llama  # noqa: E402
+from autoparallel_models import GPT2Block, Mixer, MLPStack, TiedLM, tiny_llama  # noqa: E402
 
 from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
 
@@ -54,6 +54,10 @@ def models():
                 lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         "gpt2": (lambda: GPT2Block(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
                  lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
+        "tied": (lambda: TiedLM(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
+                 lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
+        "mixer": (lambda: Mixer(), lambda g: (torch.randn(b, 8, 32, generator=g),),
+                  lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
     }
 
 
@@ -69,14 +73,15 @@ def local_slice(t: torch.Tensor, mesh, pl) -> torch.Tensor:
     return t[idx]
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    if dist.get_rank() == 0:
+def check(name: str, ok: bool, detail: str = "", quiet: bool = False) -> None:
+    if dist.get_rank() == 0 and (not ok or not quiet):
         print(f"{'OK  ' if ok else 'FAIL'} {name} {detail}", flush=True)
     if not ok:
         raise AssertionError(f"{name} {detail}")
 
 
 COMPILE = os.environ.get("AP_COMPILE") == "1"
+STEPS = int(os.environ.get("AP_STEPS", "5"))
 
 
 def close(a, b, bf16):
@@ -133,29 +138,43 @@ def run_one(model_name, mesh_name, world, bf16=False):
     check(f"{model_name}/{mesh_name} init bitwise", not bad, str(bad[:3]))
 
     if COMPILE:
-        pm.compile()  # plan runs as compiled local graphs with functional collectives
+        pm.compile()  # the same lowered graphs, compiled by inductor
         model_name += "+compile"
-    local_inputs = [local_slice(x, mesh, batch_pin) for x in inputs]
-    out = pm(*local_inputs)
-    exp = local_slice(ref_out.detach(), mesh, batch_pin)
-    err = (out.float() - exp).abs().max().item()
-    check(f"{model_name}/{mesh_name} forward", close(out, exp, bf16), f"max err {err:.2e}")
-    loss_fn(kind, out, local_slice(labels, mesh, batch_pin)).backward()
-    worst, worst_name = 0.0, ""
-    ok = True
-    for n, p in pm.named_parameters():
-        gfull = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        gref = names_ref[n].grad
-        e = (gfull - gref).abs().max().item()
-        if e > worst:
-            worst, worst_name = e, n
-        ok &= close(gfull, gref, bf16) and gfull.dtype == torch.float32
-    check(f"{model_name}/{mesh_name} grads", ok, f"max err {worst:.2e} ({worst_name})")
-    # optimizer + grad clipping run on the DTensor parameters
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
-    opt.step()
-    check(f"{model_name}/{mesh_name} clip+optimizer step", True)
+    # several optimizer steps, a new batch each: a plan that kept anything from the first
+    # call (a captured activation, a stale weight) fails from step 2 on
+    # eps 1e-6: a gradient that is zero in exact arithmetic (a key bias under softmax) is
+    # float noise on both sides, which AdamW with eps 1e-8 would blow up to lr-sized steps
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
+    worst_out = worst_grad = 0.0
+    for step in range(1, STEPS + 1):
+        if step > 1:
+            inputs, labels = make_inputs(g), make_labels(g)
+            ref_out = ref(*inputs)
+            loss_fn(kind, ref_out, labels).backward()
+        out = pm(*[local_slice(x, mesh, batch_pin) for x in inputs])
+        exp = local_slice(ref_out.detach(), mesh, batch_pin)
+        err = (out.float() - exp).abs().max().item()
+        worst_out = max(worst_out, err)
+        check(f"{model_name}/{mesh_name} forward step {step}", close(out, exp, bf16),
+              f"max err {err:.2e}", quiet=True)
+        loss_fn(kind, out, local_slice(labels, mesh, batch_pin)).backward()
+        for n, p in pm.named_parameters():
+            gfull = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            e = (gfull - names_ref[n].grad).abs().max().item()
+            worst_grad = max(worst_grad, e)
+            check(f"{model_name}/{mesh_name} grad of {n} step {step}",
+                  close(gfull, names_ref[n].grad, bf16) and gfull.dtype == torch.float32,
+                  f"max err {e:.2e}", quiet=True)
+        for model, o in ((ref, opt_ref), (pm, opt)):  # clipping and AdamW on both sides
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            o.step()
+            o.zero_grad()
+    check(f"{model_name}/{mesh_name} forward x{STEPS}", True, f"max err {worst_out:.2e}")
+    check(f"{model_name}/{mesh_name} grads x{STEPS}", True, f"max err {worst_grad:.2e} (every parameter, every step)")
+    bad = [n for n, p in pm.named_parameters()
+           if not close(p.full_tensor(), names_ref[n].detach(), bf16)]
+    check(f"{model_name}/{mesh_name} params after {STEPS} steps", not bad, str(bad[:3]))
 
 
 def check_attention_rules(mesh_name: str) -> None:
@@ -185,6 +204,50 @@ def check_attention_rules(mesh_name: str) -> None:
         check(f"attention/{mesh_name} {tag} forward+grads", ok)
 
 
+def raised_everywhere(fn) -> str:
+    """Run `fn` on every rank; return the message of the PlannerError each rank must raise
+    (the same on all of them)."""
+    from torchtitan.autoparallel import PlannerError
+
+    try:
+        fn()
+        msg = ""
+    except PlannerError as e:
+        msg = str(e)
+    msgs = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    return msg if all(m == msg and m for m in msgs) else f"differs per rank: {msgs}"
+
+
+def check_errors(mesh_name: str) -> None:
+    """Train-mode dropout, an infeasible plan solved on rank 0 and an uneven batch split: the
+    same PlannerError on every rank, nobody left waiting."""
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    pin = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
+    tokens = lambda b: lambda: torch.zeros(b, 16, dtype=torch.long)  # noqa: E731
+
+    def plan(model, batch=4, infeasible=False):
+        with AutoParallel(model, tokens(batch), mesh, cost_model="h100") as autop:
+            autop.add_input_constraints([pin])
+            if infeasible:  # every parameter replicated, yet one pinned sharded
+                autop.add_parameter_memory_constraint(low=1.0, high=1.0)
+                autop.add_parameter_constraint("tok.weight", tuple(Shard(0) for _ in names))
+            autop.optimize_placement(broadcast=True)
+
+    with torch.device("meta"):
+        dropout, plain = TiedLM(dropout=0.1), TiedLM()
+    msg = raised_everywhere(lambda: plan(dropout))
+    check(f"errors/{mesh_name} dropout", "random op aten.native_dropout" in msg and "'blocks.0.4'" in msg, msg)
+    msg = raised_everywhere(lambda: plan(plain, infeasible=True))
+    check(f"errors/{mesh_name} infeasible on every rank", "cannot all hold" in msg and "tok.weight" in msg, msg)
+    msg = raised_everywhere(lambda: plan(plain, batch=5))
+    check(f"errors/{mesh_name} uneven batch", "cannot split evenly" in msg, msg)
+    dropout.eval()
+    plan(dropout)  # eval mode: no random op left
+    check(f"errors/{mesh_name} dropout in eval mode plans", True)
+
+
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -197,6 +260,8 @@ def main():
             for mesh_name in sel_meshes:
                 if mname == "attention":
                     check_attention_rules(mesh_name)
+                elif mname == "errors":
+                    check_errors(mesh_name)
                 else:
                     run_one(mname, mesh_name, world, bf16)
         if dist.get_rank() == 0:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Shard
 
 from . import placements as P
 from . import repeat
@@ -47,6 +48,36 @@ def _is_multirank() -> bool:
         and dist.get_backend() != "fake"
 
 
+def on_rank0(fn: Callable[[], str]) -> str:
+    """Run `fn` on rank 0 only and return its text on every rank (as is without a multi-rank
+    process group).  An error there is raised on every rank: a `PlannerError` as the same
+    error with the same message, anything else as a RuntimeError naming it — never a rank
+    left waiting in the broadcast."""
+    if not _is_multirank():
+        return fn()
+    import torch.distributed as dist
+
+    from . import errors
+
+    box: list = [None]
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            failure = e
+            box = [("error", type(e).__name__, str(e), isinstance(e, PlannerError))]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0][0] == "ok":
+        return box[0][1]
+    _tag, name, message, planner = box[0]
+    if planner:
+        raise getattr(errors, name, PlannerError)(message)
+    raise RuntimeError(f"planning failed on rank 0 with {name}: {message}")
+
+
 def _mp_dtypes(mp_policy) -> tuple[torch.dtype | None, torch.dtype | None]:
     """(param_dtype, reduce_dtype) from an FSDP2 MixedPrecisionPolicy-like object."""
     if mp_policy is None:
@@ -66,15 +97,16 @@ class AutoParallel:
 
     Execution (`apply_placement`): `executor="lowered"` runs the plan as local forward and
     backward graphs (lower.py, executor.py; "dtensor" interprets it over DTensors, a reference
-    path); `reshard_after_forward` re-gathers parameters in the backward instead of keeping
-    them; `bucket` merges each unit's parameter gathers and gradient reductions (buckets.py).
+    path); `reshard_after_forward` (True/"always", False/"never", or torchtitan's "default":
+    all but the root and the last unit) re-gathers parameters in the backward instead of
+    keeping them; `bucket` merges each unit's parameter gathers and gradient reductions (buckets.py).
     """
 
     def __init__(self, model: nn.Module, input_fn: Callable[[], Any], mesh: DeviceMesh,
                  mp_policy=None, cost_model: CostModel | str | None = None,
                  solver_time_limit: float = 300.0, grad_reduction: str = "mean",
                  share_repeated: bool = True, backward: str = "plan", executor: str = "lowered",
-                 reshard_after_forward: bool = True, bucket: bool = True):
+                 reshard_after_forward: bool | str = True, bucket: bool = True):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
         check_on_meta(model)
@@ -104,8 +136,18 @@ class AutoParallel:
         t = time.perf_counter()
         # stacks of identical blocks are planned from a shallow copy (repeat.py)
         self.blocks = repeat.find_repeated_blocks(self.model) if self.share_repeated else []
-        self.tg = trace_joint(self.model, self.input_fn, self.param_dtype, self.blocks,
-                              shallow=bool(self.blocks))
+        try:
+            self.tg = trace_joint(self.model, self.input_fn, self.param_dtype, self.blocks,
+                                  shallow=bool(self.blocks))
+        except PlannerError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if not self.blocks:
+                raise
+            # a forward that indexes its stack (`self.norms[3]`) cannot run on a shallow copy
+            log.info("shallow trace failed (%s: %s); tracing the whole model", type(e).__name__, e)
+            self.blocks = []
+            self.tg = trace_joint(self.model, self.input_fn, self.param_dtype)
         self._full_tg = None if self.blocks else self.tg
         self.timings["trace"] = time.perf_counter() - t
         if self.blocks:
@@ -228,6 +270,23 @@ class AutoParallel:
         """One placement tuple per flattened input (None leaves that input free)."""
         self._pin_each("input", placements, lambda i, pl: UserConstraint(
             f"input {i} pinned to {P.fmt(pl)}", "pin", node=self.tg.inputs[i], placement=pl))
+        for i, pl in enumerate(placements):
+            if pl is not None:
+                self._check_even_split(i, pl)
+
+    def _check_even_split(self, i: int, pl: Sequence[Placement]) -> None:
+        """An input split unevenly (a batch of 6 on 4 ranks) would make every rank's mean
+        loss weigh its rows differently from one process: refuse it."""
+        shape = self.tg.inputs[i].meta["val"].shape
+        names = self.mesh.mesh_dim_names or [f"dim{k}" for k in range(self.mesh.ndim)]
+        for d in range(len(shape)):
+            dims = [k for k, p in enumerate(pl) if isinstance(p, Shard) and p.dim == d]
+            ways = math.prod(self.mesh.shape[k] for k in dims)
+            if ways > 1 and shape[d] % ways:
+                raise ConstraintError(
+                    f"input {i} dim {d} has size {shape[d]}, which the {ways} ranks of mesh "
+                    f"dim(s) {', '.join(names[k] for k in dims)} cannot split evenly; use a "
+                    f"size divisible by {ways}")
 
     def add_output_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened forward output (None leaves it free)."""
@@ -292,16 +351,8 @@ class AutoParallel:
         rank 0 and broadcasts the plan itself.
         """
         self._require_entered()
-        if broadcast and _is_multirank():
-            import torch.distributed as dist
-
-            box = [None]
-            if dist.get_rank() == 0:
-                box = [self._solve_local(verbose).to_json()]
-            dist.broadcast_object_list(box, src=0)
-            plan = Plan.from_json(box[0])
-            log.info("plan received from rank 0")
-            return plan
+        if broadcast:
+            return Plan.from_json(on_rank0(lambda: self._solve_local(verbose).to_json()))
         return self._solve_local(verbose)
 
     def _solve_local(self, verbose: bool) -> Plan:

@@ -85,7 +85,7 @@ class GraphRunner:
     def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
                  reduce_dtype: torch.dtype | None = None, grad_reduction: str = "mean",
                  backward: str = "plan", executor: str = "lowered",
-                 reshard_after_forward: bool = True, bucket: bool = True,
+                 reshard_after_forward: bool | str = True, bucket: bool = True,
                  units: list[str] | None = None):
         if plan.graph_fingerprint and plan.graph_fingerprint != graph_fingerprint(tg.gm):
             raise PlannerError("plan was made for a different traced graph (fingerprint mismatch)")
@@ -95,12 +95,16 @@ class GraphRunner:
             raise PlannerError(f"grad_reduction must be 'mean' or 'sum', got '{grad_reduction}'")
         if backward not in ("plan", "autograd"):
             raise PlannerError(f"backward must be 'plan' or 'autograd', got '{backward}'")
+        policy = {True: "always", False: "never"}.get(reshard_after_forward, reshard_after_forward)
+        if policy not in ("always", "never", "default"):
+            raise PlannerError("reshard_after_forward must be True, False, 'always', 'never' or "
+                               f"'default', got {reshard_after_forward!r}")
         if executor not in ("lowered", "dtensor"):
             raise PlannerError(f"executor must be 'lowered' or 'dtensor', got '{executor}'")
         self.tg, self.plan, self.mesh = tg, plan, mesh
         self.backward = backward
         self.executor = executor
-        self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
+        self.reshard_policy, self.bucket = policy, bucket
         self.units = list(units or [])
         self.compile_kwargs: dict | None = None  # set by the module's compile()
         self._lowered: dict = {}  # input signature -> LoweredPlan (executor.py)
@@ -142,6 +146,19 @@ class GraphRunner:
             for v in release.get(node, ()):
                 env.pop(v, None)
                 env.get(_REDISTRIBUTED, {}).pop(v, None)
+
+    def kept_gathered(self) -> set[str] | None:
+        """Parameters whose gathered values the forward keeps for the backward (None: all).
+        "default" is torchtitan's FSDP2 policy: re-gather every unit's parameters except the
+        root's and the last unit's, which the backward needs first."""
+        if self.reshard_policy == "never":
+            return None
+        if self.reshard_policy == "always":
+            return set()
+        from .buckets import unit_of
+
+        last = self.units[-1] if self.units else ""
+        return {f for f in self.tg.params if unit_of(f, self.units) in ("", last)}
 
     def _local_meta(self, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Local shape and dtype of forward output i in its planned placement."""

@@ -38,7 +38,7 @@ class LoweredPlan:
         self.out_like = out_vals
         joint = lower_joint(runner, keys + tangent_keys, placements + tangent_pls,
                             locals_ + tangent_locals, device)
-        part = partition(joint, runner.reshard_after_forward)
+        part = partition(joint, runner.kept_gathered())
         units = runner.units
         self.stats = bucket_collectives(part, units, enabled=runner.bucket)
         self.partition = part

@@ -12,9 +12,10 @@ silently, on every later call).
 `partition` then cuts the local joint graph into the forward graph, `(params, buffers,
 inputs) -> (outputs, saved)`, and the backward graph, `(saved, tangents) -> parameter
 gradients`.  A value the backward reads is *saved* — unless it is computed from parameters
-and buffers alone (a gathered weight, its cast and transpose) and `reshard_after_forward`
-is on: then the backward recomputes it from the sharded parameters (the re-gather of FSDP's
-reshard after forward), and the forward frees it after its last forward use.
+and buffers alone (a gathered weight, its cast and transpose) and reshard after forward
+applies to those parameters: then the backward recomputes it from the sharded parameters
+(the re-gather of FSDP's reshard after forward), and the forward frees it after its last
+forward use.
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def partition(joint: LocalJoint, reshard_after_forward: bool) -> Partition:
-    """Split the local joint graph into forward and backward graphs (see module docstring)."""
+def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
+    """Split the local joint graph into forward and backward graphs (see module docstring).
+    Values computed from parameters/buffers alone are recomputed in the backward unless they
+    read one named in `keep` (None: keep them all, no recompute)."""
     graph = joint.gm.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     kind = dict(zip(phs, joint.kinds))
@@ -129,7 +132,9 @@ def partition(joint: LocalJoint, reshard_after_forward: bool) -> Partition:
                 a in backward for a in n.all_input_nodes)):
             backward.add(n)
     params = {p for p in phs if kind[p] in (PARAM, BUFFER)}
-    recompute = param_side(graph.nodes, params) if reshard_after_forward else set()
+    recompute: set[fx.Node] = set()
+    if keep is not None:
+        recompute = param_side(graph.nodes, {p for p in params if name[p] not in keep})
 
     # forward values the backward reads (gradients that need no tangent count as read)
     needed = [a for n in graph.nodes if n in backward for a in n.all_input_nodes if a not in backward]

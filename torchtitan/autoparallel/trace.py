@@ -143,7 +143,7 @@ def trace_joint(
     fake_model = repeat.shallow_copy(model, blocks) if shallow and blocks else copy.deepcopy(model)
     _fakeify(fake_model, fake_mode)
     containers = [b.container for b in blocks]
-    handles = repeat.label_hooks(fake_model, containers)
+    handles = repeat.label_hooks(fake_model, containers) + _module_hooks(fake_model)
     with fake_mode:
         inputs = input_fn()
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -159,8 +159,7 @@ def trace_joint(
         prefix = "inner."
 
     with contextlib.ExitStack() as stack, route_attention():
-        if blocks:
-            stack.enter_context(fx_traceback.preserve_node_meta())
+        stack.enter_context(fx_traceback.preserve_node_meta())
         try:
             joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
         finally:
@@ -173,6 +172,7 @@ def trace_joint(
         return fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
 
     _check_outputs(graph)
+    _reject_random_ops(graph)
     params = {strip(k): v for k, v in fx_utils.get_named_param_nodes(graph).items()}
     buffers = {strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()}
     grads: dict[str, fx.Node | None] = {}
@@ -183,6 +183,7 @@ def trace_joint(
     outs = sorted(fx_utils.get_plain_output_and_tangent_nodes(graph).items(), key=lambda kv: kv[0].idx)
     outputs = [o for _d, (o, _t) in outs]
     tangents = [t for _d, (_o, t) in outs]
+    _merge_tied(graph, params, grads, fake_model)  # after the last descriptor lookup
     if len(inputs_nodes) != len(flat_inputs):
         raise PlannerError(
             f"traced graph has {len(inputs_nodes)} input placeholders for {len(flat_inputs)} inputs "
@@ -205,6 +206,63 @@ def trace_joint(
         if shallow:
             tg.weights = repeat.weights_of(tg.labels, blocks)
     return tg
+
+
+MODULE_KEY = "autoparallel_module"  # node.meta["custom"] key: FQN of the module that ran it
+
+
+def _module_hooks(model: nn.Module) -> list:
+    """Label every node traced with the FQN of the innermost module running (for messages)."""
+    handles, open_ctx = [], {}
+    for fqn, mod in model.named_modules():
+        def pre(_m, _a, fqn=fqn or type(model).__name__):
+            ctx = fx_traceback.annotate({MODULE_KEY: fqn})
+            ctx.__enter__()
+            open_ctx.setdefault(fqn, []).append(ctx)
+
+        def post(_m, _a, _o, fqn=fqn or type(model).__name__):
+            open_ctx[fqn].pop().__exit__(None, None, None)
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
+
+
+def _merge_tied(graph: fx.Graph, params: dict, grads: dict, model: nn.Module) -> None:
+    """One placeholder per parameter *tensor*: AOTAutograd gives a tied parameter (an LM head
+    sharing the embedding's weight) a placeholder per name.  The aliases' uses move to the
+    first name's placeholder and its gradient becomes the sum of both uses' gradients."""
+    first: dict[int, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        canon = first.setdefault(id(p), fqn)
+        if canon == fqn or fqn not in params or canon not in params:
+            continue
+        alias, keep = params.pop(fqn), params[canon]
+        alias.replace_all_uses_with(keep)
+        g_alias, g_keep = grads.pop(fqn, None), grads.get(canon)
+        out = next(n for n in graph.nodes if n.op == "output")
+        total = g_keep if g_alias is None else g_alias if g_keep is None else None
+        if total is None:
+            with graph.inserting_before(out):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (g_keep, g_alias))
+            total.meta = dict(g_keep.meta)
+        grads[canon] = total
+        flat = list(out.args[0])
+        flat = [None if a is g_alias else total if a is g_keep else a for a in flat]
+        out.args = (flat,)
+        graph.erase_node(alias)
+
+
+def _reject_random_ops(graph: fx.Graph) -> None:
+    """Random ops (dropout in train mode, ...) would draw different numbers on every rank
+    than one process draws for the same slice; name the op and the module instead."""
+    for n in graph.nodes:
+        tags = getattr(n.target, "tags", ())
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in tags:
+            where = n.meta.get("custom", {}).get(MODULE_KEY) or "the model's forward"
+            raise PlannerError(
+                f"random op {n.target} in '{where}' is not supported: every rank would draw "
+                "other numbers than one process (e.g. dropout in train mode); set its "
+                "probability to 0 or call model.eval()")
 
 
 def _check_outputs(graph: fx.Graph) -> None:

@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.autoparallel import AutoParallel, Plan
+from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
+from torchtitan.autoparallel.api import on_rank0
 from torchtitan.autoparallel.plan import graph_fingerprint
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.errors import UserInputError
 from torchtitan.distributed.utils import device_type, resolve_param_dtype, TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
@@ -47,6 +49,13 @@ def _cost_model_name() -> str:
 
 
 def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    try:
+        return _parallelize(model, parallel_dims, job_config)
+    except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
+        raise UserInputError(f"auto-parallel planner: {e}") from None
+
+
+def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
     training = job_config.training
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names)
@@ -65,8 +74,8 @@ def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_co
     outputs = _batch_placements(names, Shard(2) if loss_parallel else Replicate())
 
     start = time.perf_counter()
-    with AutoParallel(model, input_fn, mesh, mp_policy=mp_policy,
-                      cost_model=_cost_model_name()) as autop:
+    with AutoParallel(model, input_fn, mesh, mp_policy=mp_policy, cost_model=_cost_model_name(),
+                      reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward) as autop:
         autop.add_parameter_memory_constraint(low=None, high=None)
         autop.add_input_constraints([inputs])
         autop.add_output_constraints([outputs])
@@ -105,22 +114,21 @@ def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
 
 
 def _plan_on_rank0(autop: AutoParallel, cache: Path) -> Plan:
-    """Rank 0 loads the cached plan or solves; every rank gets the same plan."""
-    text = [None]
-    if dist.get_rank() == 0:
+    """Rank 0 loads the cached plan or solves; every rank gets the same plan (or the same
+    error)."""
+
+    def load_or_solve() -> str:
         if cache.exists():
             logger.info(f"reusing cached plan {cache}")
-            text[0] = cache.read_text()
-        else:
-            plan = autop.optimize_placement()
-            text[0] = plan.to_json()
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(text[0])
-            tmp.rename(cache)  # never leave a half-written plan behind
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(text, src=0)
-    return Plan.from_json(text[0])
+            return cache.read_text()
+        text = autop.optimize_placement().to_json()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.rename(cache)  # never leave a half-written plan behind
+        return text
+
+    return Plan.from_json(on_rank0(load_or_solve))
 
 
 def summarize(plan: Plan) -> str:
