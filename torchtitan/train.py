@@ -33,6 +33,7 @@ from torchtitan.errors import UserInputError
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.collectives import count_collectives
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -199,7 +200,11 @@ class Trainer:
             if self.step % self.gc_freq == 0:
                 gc.collect(1)
             lr = self.lr_schedulers.get_last_lr()
-            loss, max_loss, grad_norm = self.train_step(data_iter)
+            counting = self.step == cfg.metrics.count_collectives_step
+            with count_collectives(counting) as counts:
+                loss, max_loss, grad_norm = self.train_step(data_iter)
+            if counting:
+                self.metrics.log_collectives(self.step, counts)
             self.losses.append(loss)
             if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 self.metrics.log(self.step, loss, max_loss, grad_norm, lr)

@@ -106,3 +106,14 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
     losses = tuned.losses()
     assert_losses_close({s: losses[s] for s in (1, 2, 3)}, {s: GOLDEN[s] for s in (1, 2, 3)},
                         rtol=1e-4, what="compiled auto dp4 + knobs vs 1 rank")
+
+
+def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
+    """One step after two warm-up steps, counted with torch.profiler's gloo events: the
+    executor's per-unit buckets must not issue more collectives than FSDP2's per-block ones."""
+    counts = {}
+    for name in ("llama3", "llama3_auto_parallel"):
+        run = run_training(4, ["--model.name", name, *MESHES["dp4"], "--training.steps", "3",
+                               "--metrics.count_collectives_step", "3"], tmp_path / name).check()
+        counts[name] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
+    assert 0 < counts["llama3_auto_parallel"] <= counts["llama3"], counts

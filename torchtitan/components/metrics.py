@@ -113,6 +113,19 @@ class MetricsProcessor:
         self.memory.reset_peak()
         return metrics
 
+    def log_collectives(self, step: int, counts: dict[str, int]) -> None:
+        """The collectives of one step, by kind (tools/collectives.py)."""
+        if not self.is_logging_rank:
+            return
+        from torchtitan.tools.collectives import summary
+
+        logger.info(f"step {step}: {summary(counts)}")
+        if self.writer is not None:
+            self.writer.add_scalar("comm/collectives", sum(counts.values()), step)
+            for kind, n in counts.items():
+                self.writer.add_scalar(f"comm/{kind}", n, step)
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -260,6 +260,11 @@ class Metrics:
     disable_color_printing: bool = False
     """Plain console logs without ANSI colours."""
 
+    count_collectives_step: int = 0
+    """Count the collectives of this training step with torch.profiler (its `gloo:`/`nccl:`
+    events on rank 0), log them and write `comm/collectives` to TensorBoard; 0 = never.
+    The profiler slows that one step."""
+
     cpu_peak_tflops: float = 1.0
     """Peak dense TFLOP/s assumed for MFU when training on CPU (there is no table of CPU peaks).
     MFU = achieved model FLOP/s / this peak, so set it to your CPU's figure for a meaningful MFU;
