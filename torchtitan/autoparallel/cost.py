@@ -59,7 +59,8 @@ DEVICES: dict[str, DeviceSpec] = {
 # NVLink 4 (H100/H200 SXM) 450 GB/s, NVLink 3 (A100) 300 GB/s; one 400 Gb/s NDR InfiniBand
 # NIC per H100/H200 = 50 GB/s, one 200 Gb/s HDR NIC per A100 = 25 GB/s.
 LINKS: dict[str, tuple[LinkSpec, LinkSpec]] = {
-    "cpu": (LinkSpec(20.0, 5.0), LinkSpec(50.0, 1.0)),
+    # gloo, 4 ranks on 2 shared cores (the project machine): ~3 ms per call, ~1 GB/s
+    "cpu": (LinkSpec(3000.0, 1.0), LinkSpec(5000.0, 0.5)),
     "a100": (LinkSpec(10.0, 300.0), LinkSpec(20.0, 25.0)),
     "h100": (LinkSpec(10.0, 450.0), LinkSpec(20.0, 50.0)),
     "h200": (LinkSpec(10.0, 450.0), LinkSpec(20.0, 50.0)),

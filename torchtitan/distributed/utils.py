@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def device_type() -> str:
@@ -72,18 +72,30 @@ def dist_reduce(value: torch.Tensor, op: str, mesh: DeviceMesh | None) -> float:
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm; works when parameters are DTensors on any mesh.
 
-    The norm of each gradient is computed on its local shard, squared and summed per
-    mesh (a DTensor reduction), so the total is exact without gathering gradients.
+    Each gradient's squared norm is summed on its local shard; shards that share a mesh and
+    a set of sharded mesh dims are added up first, so the exact total costs one reduction
+    per such group (per mesh dim), not one per parameter.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total_sq = None
+    groups: dict[tuple, torch.Tensor] = {}
+    plain = None
     for g in grads:
-        sq = g.float().pow(2).sum()  # DTensor for sharded grads: becomes Partial/Replicate
-        if isinstance(sq, DTensor):
-            sq = sq.full_tensor()
-        total_sq = sq if total_sq is None else total_sq + sq
+        if not isinstance(g, DTensor) or any(p.is_partial() for p in g.placements):
+            sq = g.float().pow(2).sum()  # a pending sum: square only the reduced values
+            sq = sq.full_tensor() if isinstance(sq, DTensor) else sq
+            plain = sq if plain is None else plain + sq
+            continue
+        sharded = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+        key = (g.device_mesh, sharded)
+        sq = g.to_local().float().pow(2).sum()
+        groups[key] = groups[key] + sq if key in groups else sq
+    total_sq = plain
+    for (mesh, sharded), local in groups.items():
+        partial = [Partial() if i in sharded else Replicate() for i in range(mesh.ndim)]
+        full = DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
+        total_sq = full if total_sq is None else total_sq + full
     total_norm = total_sq.sqrt()
     if max_norm > 0:
         clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)
