@@ -41,6 +41,7 @@ class Result:
     peak_gib: list[float] = field(default_factory=list)
     final_loss: float = float("nan")
     wall_s: list[float] = field(default_factory=list)
+    collectives: float = float("nan")  # per step, where the run counted them
 
     @property
     def median_tps(self) -> float:
@@ -52,7 +53,7 @@ class Result:
 
 
 def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
-            extra_args: list[str] = ()) -> list[Result]:
+            extra_args: list[str] = (), inductor_cache: Path | None = None) -> list[Result]:
     results = [Result(c) for c in configs]
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for r in range(rounds):
@@ -61,7 +62,8 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 folder = Path(tmp) / f"{i}-{r}"
                 t0 = time.perf_counter()
                 run = run_training(c.nproc, [*COMMON, "--training.steps", str(steps),
-                                             *extra_args, *c.args], folder)
+                                             *extra_args, *c.args], folder,
+                                   inductor_cache=inductor_cache)
                 result.wall_s.append(time.perf_counter() - t0)
                 run.check()
                 tb = folder / "tb"
@@ -70,6 +72,9 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 result.tps.append(statistics.median(steady))
                 result.peak_gib.append(max(read_scalars(tb, "memory/peak_GiB").values()))
                 result.final_loss = run.losses()[steps]
+                counted = read_scalars(tb, "comm/collectives")
+                if counted:
+                    result.collectives = next(iter(counted.values()))
                 print(f"round {r + 1}/{rounds} {c.name}: tps {result.tps[-1]:.0f}, "
                       f"peak {result.peak_gib[-1]:.2f} GiB, wall {result.wall_s[-1]:.0f}s",
                       flush=True)
@@ -77,10 +82,11 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
 
 
 def markdown_table(results: list[Result], columns: list[str] | None = None) -> str:
-    lines = ["| config | tps (median) | peak memory GiB | loss at last step | wall s (median) |",
-             "|---|---|---|---|---|"]
+    lines = ["| config | tps (median) | peak memory GiB | collectives per step | loss at last step "
+             "| wall s (median) |", "|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
+        coll = "-" if r.collectives != r.collectives else f"{r.collectives:.0f}"
+        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | {coll} | "
                      f"{r.final_loss:.4f} | {statistics.median(r.wall_s):.0f} |")
     return "\n".join(lines)
 

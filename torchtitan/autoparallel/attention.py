@@ -81,6 +81,20 @@ def _(grad_out, q, k, v, is_causal, scale):
     return tuple(g.contiguous() for g in grads)
 
 
+@sdpa_backward.register_kernel("cuda")
+def _(grad_out, q, k, v, is_causal, scale):
+    # 16-bit with equal head dims: recompute with the flash kernel, then its backward (no
+    # seq x seq tensor); anything else takes the textbook gradient
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _mask = \
+        _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    grads = _aten._scaled_dot_product_flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal,
+        seed, offset, scale=scale)
+    return tuple(g.contiguous() for g in grads)
+
+
 @sdpa_backward.register_fake
 def _(grad_out, q, k, v, is_causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -66,6 +66,10 @@ llama3_configs: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(
         dim=256, n_layers=6, n_heads=16, rope_theta=500_000.0
     ),
+    # where compute weighs more than per-op overhead on CPU (benchmarks/auto_vs_manual.py)
+    "debugmodel_large": TransformerModelArgs(
+        dim=512, n_layers=8, n_heads=16, rope_theta=500_000.0
+    ),
     "8B": TransformerModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
         ffn_dim_multiplier=1.3, multiple_of=1024,
