@@ -1,0 +1,105 @@
+"""The executor's lowered graphs, inspected in one process on a fake 4-rank group.
+
+What runs is checked numerically by the 4-rank tests (integration_tests/autoparallel_numerics*);
+here: the graphs hold no captured tensors, each FSDP unit's gathers and gradient reductions
+are one collective, the next unit's gather is issued before the current unit computes, and
+reshard-after-forward decides which units are gathered again in the backward.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
+from autoparallel_models import MLPStack, TiedLM  # noqa: E402
+
+from torchtitan.autoparallel import AutoParallel  # noqa: E402
+from torchtitan.autoparallel.buckets import AG, RS, WAIT  # noqa: E402
+from torchtitan.autoparallel.lower import param_side  # noqa: E402
+
+
+@pytest.fixture
+def dp4():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    dist.destroy_process_group()
+
+
+def lowered(mesh, model_fn, example, **kw):
+    with torch.device("meta"):
+        model = model_fn()
+    with AutoParallel(model, lambda: torch.zeros(example.shape, dtype=example.dtype), mesh,
+                      cost_model="h100", **kw) as autop:
+        autop.add_parameter_memory_constraint()
+        autop.add_input_constraints([(Shard(0),)])
+        autop.add_output_constraints([(Shard(0),)])
+        pm = autop.apply_placement(autop.optimize_placement())
+    pm.to_empty(device="cpu")
+    pm.init_weights()
+    local = example[: example.shape[0] // 4]  # many tokens per weight: an FSDP-like plan
+    pm(local).float().pow(2).mean().backward()  # lowers (fake collectives move no data)
+    (lp,) = pm._ap_runner._lowered.values()
+    return lp
+
+
+def nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def param_gathers(part, graph: str):
+    """Gathers computed from parameters alone (the plan may gather activations too)."""
+    gm = getattr(part, graph)
+    names = part.fwd_names if graph == "fwd" else part.saved_names
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    side = param_side(gm.graph.nodes, {n for n, f in zip(phs, names) if f is not None})
+    return [n for n in nodes(gm, AG) if n in side]
+
+
+def test_one_gather_and_one_reduction_per_unit(dp4):
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32))
+    part = lp.partition
+    for gm in (part.fwd, part.bwd):
+        assert not [n for n in gm.graph.nodes if n.op == "get_attr"], gm.code
+    units = 6  # layers.0..4 and the root (head)
+    assert lp.stats["fwd_before"]["all_gather_into_tensor"] > units
+    assert len(param_gathers(part, "fwd")) == units
+    # the plan computes some weight gradients from gathered activations (no reduction); the
+    # reductions it has are merged per unit
+    assert len(nodes(part.bwd, RS)) < lp.stats["bwd_before"]["reduce_scatter_tensor"]
+    assert len(nodes(part.bwd, RS)) <= units
+    assert len(param_gathers(part, "bwd")) == units  # reshard_after_forward=True: all again
+
+
+def test_next_units_gather_overlaps_compute(dp4):
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32))
+    order = list(lp.partition.fwd.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    gathers = param_gathers(lp.partition, "fwd")
+    compute = [pos[n] for n in order if n.target in (torch.ops.aten.addmm.default,
+                                                    torch.ops.aten.mm.default)]
+    for ag in gathers[1:]:
+        wait = next(iter(ag.users))
+        assert wait.target is WAIT
+        between = [c for c in compute if pos[ag] < c < pos[wait]]
+        assert between, f"{ag.name} is waited for before any compute runs behind it"
+
+
+def test_default_policy_keeps_root_and_last_unit_gathered(dp4):
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32),
+                 reshard_after_forward="default")
+    assert len(param_gathers(lp.partition, "bwd")) == 4  # layers.0..3; layers.4 and head kept
+    never = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32),
+                    reshard_after_forward=False)
+    assert not param_gathers(never.partition, "bwd")
+
+
+def test_tied_weight_is_one_parameter_with_one_gradient(dp4):
+    lp = lowered(dp4, TiedLM, torch.randint(0, 64, (8, 16)))
+    assert lp.partition.grad_names.count("tok.weight") == 1
+    assert "head.weight" not in lp.partition.grad_names
