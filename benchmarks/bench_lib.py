@@ -5,7 +5,8 @@ Each configuration runs as a real torchrun job (the debug Llama 3 on CPU ranks) 
 rounds (A B C, A B C, ...) so that machine noise hits all of them alike; a configuration's
 figure is the median over rounds of its median steady-state step (step 1 and compile
 warm-up excluded).  Memory is rank 0's peak RSS (CPU) or device peak (GPU) as the trainer
-logs it.
+logs it per step: "steady" is the largest over the steady-state steps, "lifetime" includes
+step 1 (planning, lowering, compiling).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class Config:
 class Result:
     config: Config
     tps: list[float] = field(default_factory=list)
-    peak_gib: list[float] = field(default_factory=list)
+    peak_gib: list[float] = field(default_factory=list)  # steady-state steps
+    lifetime_gib: list[float] = field(default_factory=list)  # incl. planning and compiling
     final_loss: float = float("nan")
     wall_s: list[float] = field(default_factory=list)
     collectives: float = float("nan")  # per step, where the run counted them
@@ -70,7 +72,9 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 tps = read_scalars(tb, "throughput(tps)")
                 steady = [v for s, v in tps.items() if s > skip_steps]
                 result.tps.append(statistics.median(steady))
-                result.peak_gib.append(max(read_scalars(tb, "memory/peak_GiB").values()))
+                mem = read_scalars(tb, "memory/peak_GiB")
+                result.peak_gib.append(max(v for s, v in mem.items() if s > skip_steps))
+                result.lifetime_gib.append(max(mem.values()))
                 result.final_loss = run.losses()[steps]
                 counted = read_scalars(tb, "comm/collectives")
                 if counted:
@@ -82,12 +86,14 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
 
 
 def markdown_table(results: list[Result], columns: list[str] | None = None) -> str:
-    lines = ["| config | tps (median) | peak memory GiB | collectives per step | loss at last step "
-             "| wall s (median) |", "|---|---|---|---|---|---|"]
+    lines = ["| config | tps (median) | peak memory GiB (steady) | peak GiB (lifetime) "
+             "| collectives per step | loss at last step | wall s (median) |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         coll = "-" if r.collectives != r.collectives else f"{r.collectives:.0f}"
-        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | {coll} | "
-                     f"{r.final_loss:.4f} | {statistics.median(r.wall_s):.0f} |")
+        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
+                     f"{max(r.lifetime_gib):.2f} | {coll} | {r.final_loss:.4f} | "
+                     f"{statistics.median(r.wall_s):.0f} |")
     return "\n".join(lines)
 
 

@@ -31,12 +31,16 @@ def dp4():
     dist.destroy_process_group()
 
 
-def lowered(mesh, model_fn, example, **kw):
+def lowered(mesh, model_fn, example, fsdp=False, **kw):
+    """The LoweredPlan of one step; `fsdp` pins every parameter to Shard(0) (FSDP's plan)."""
     with torch.device("meta"):
         model = model_fn()
     with AutoParallel(model, lambda: torch.zeros(example.shape, dtype=example.dtype), mesh,
                       cost_model="h100", **kw) as autop:
         autop.add_parameter_memory_constraint()
+        for fqn, p in model.named_parameters():
+            if fsdp and p.shape[0] % 4 == 0:
+                autop.add_parameter_constraint(fqn, (Shard(0),))
         autop.add_input_constraints([(Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
         pm = autop.apply_placement(autop.optimize_placement())
@@ -103,3 +107,16 @@ def test_tied_weight_is_one_parameter_with_one_gradient(dp4):
     lp = lowered(dp4, TiedLM, torch.randint(0, 64, (8, 16)))
     assert lp.partition.grad_names.count("tok.weight") == 1
     assert "head.weight" not in lp.partition.grad_names
+
+
+def test_gradient_reductions_one_in_flight(dp4):
+    """A unit's reduction is waited for once the next unit's is issued (FSDP2's order)."""
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(512, 16, 32), fsdp=True)
+    order = list(lp.partition.bwd.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    reductions = sorted(nodes(lp.partition.bwd, RS), key=pos.__getitem__)
+    assert len(reductions) == 6  # one per unit
+    for r, nxt in zip(reductions, reductions[1:]):
+        wait = next(iter(r.users))
+        assert pos[nxt] < pos[wait] < min((pos[x] for x in reductions if pos[x] > pos[nxt]),
+                                          default=len(order))

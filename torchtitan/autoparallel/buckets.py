@@ -19,7 +19,7 @@ collectives are where a rank blocks):
   unit's gathered parameters (one unit ahead, so they overlap that unit's compute), and waited
   for just before their own first consumer;
 * a unit's gradient reductions are issued as soon as its last gradient is computed and waited
-  for at the end of the backward;
+  for right after the next unit's are issued (the last at the end of the backward);
 * everything else stays in place; what a moved node needs moves with it (just in time).
 """
 
@@ -173,7 +173,7 @@ class _GraphBuckets:
             groups[(unit, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)].append(c)
 
         anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
-        late: set[fx.Node] = set()  # waits that go to the end
+        reduction_waits: list[fx.Node] = []
         order = sorted(unit_first, key=unit_first.__getitem__)
         issue_at = {u: (unit_first[order[i - 1]] + 0.5 if i else -1.0) for i, u in enumerate(order)}
         for (unit, target, _args, _dt), members in groups.items():
@@ -183,8 +183,8 @@ class _GraphBuckets:
                 if target is AG:
                     anchor[c] = issue_at[unit]
                 else:
-                    late.add(next(iter(c.users)))
-        return self._schedule(anchor, late)
+                    reduction_waits.append(next(iter(c.users)))
+        return self._schedule(anchor, reduction_waits)
 
     def _merge(self, target, members: list[fx.Node]) -> fx.Node:
         """Replace `members` (same op, group and dtype) by one collective on a flat buffer."""
@@ -224,28 +224,31 @@ class _GraphBuckets:
             g.erase_node(c)
         return coll
 
-    def _schedule(self, anchor: dict, late: set) -> fx.GraphModule:
+    def _schedule(self, anchor: dict, reduction_waits: list[fx.Node]) -> fx.GraphModule:
         """Re-emit the graph in dependency order, each node as close as possible to its key:
         its original position; anchored collectives at their issue point; parameter-side
-        nodes just before their first user; late waits at the end."""
+        nodes just before their first user; a gradient reduction's wait just before the
+        next reduction is issued (one in flight, as FSDP2), the last one at the end."""
         nodes = _topological(list(self.graph.nodes))
         side = param_side(nodes, set(self.params))
+        late = set(reduction_waits)
         key: dict[fx.Node, float] = {}
         for n in nodes:
             if n.op == "placeholder":
                 key[n] = -math.inf
-            elif n.op == "output":
+            elif n.op == "output" or n in late:
                 key[n] = math.inf
             elif n in anchor:
                 key[n] = anchor[n]
-            elif n in late:
-                key[n] = 1e18
             elif n in side:
                 continue  # below: just in time
             elif n in self.index:
                 key[n] = self.index[n]
             else:  # made by merging: as soon as its inputs are ready
                 key[n] = max((key.get(a, -1.0) for a in n.all_input_nodes), default=-1.0) + 1e-3
+        issued = sorted(reduction_waits, key=lambda w: key[w.all_input_nodes[0]])
+        for w, nxt in zip(issued, issued[1:]):
+            key[w] = key[nxt.all_input_nodes[0]] + 1e-4
         for n in reversed(nodes):
             if n not in key:
                 key[n] = min((key[u] for u in n.users), default=math.inf) - 1e-6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 from typing import Any
@@ -35,7 +36,9 @@ def peak_tflops(device_type: str, cpu_peak_tflops: float) -> float:
 
 
 class MemoryMonitor:
-    """Peak memory of this rank: device peak on GPU, process peak RSS on CPU."""
+    """Peak memory of this rank since the last reset: device peak on GPU; on CPU the process's
+    peak RSS (Linux VmHWM, reset through /proc/self/clear_refs, so each logged step reports
+    its own peak; elsewhere the lifetime peak)."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
@@ -47,11 +50,21 @@ class MemoryMonitor:
     def peak_bytes(self) -> int:
         if self.device_type == "cuda":
             return torch.cuda.max_memory_reserved()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        try:
+            with open("/proc/self/status") as f:
+                return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
     def reset_peak(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
 
 
 class MetricsProcessor:
