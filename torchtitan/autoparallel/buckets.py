@@ -3,23 +3,27 @@
 Two kinds of collectives are *parameter-side* and get FSDP2's treatment:
 
 * **gathers of parameters** — an `all_gather_into_tensor` computed from parameters and buffers
-  alone (possibly after a cast), the first collective on that chain;
-* **gradient reductions** — the first `reduce_scatter_tensor` / `all_reduce` on the chain of
+  alone (possibly after a cast);
+* **gradient reductions** — a `reduce_scatter_tensor` / `all_reduce` on the chain of
   single-input ops that ends in a parameter gradient.
+
+A parameter split on two mesh dims is gathered (its gradient reduced) once per dim, one after
+the other: each collective has a *level*, its place on that chain.
 
 Each is assigned to a *unit*, the FSDP2 wrapping torchtitan applies by hand, found from the
 module structure rather than from names: every child of a container (`ModuleList`,
 `ModuleDict`, `Sequential` — a transformer's blocks) is a unit, everything else belongs to the
-root unit.  Collectives of one unit with the same process group, op and dtype are merged into
-one collective over a flat buffer (copy in, one collective, split out).
+root unit.  Collectives of one unit and level with the same process group, op and dtype are
+merged into one collective over a flat buffer (copy in, one collective, split out).
 
 Schedule (the graph's node order is the eager execution order; the waits of functional
 collectives are where a rank blocks):
 * a unit's parameter gathers are issued right after the first op that consumes the previous
   unit's gathered parameters (one unit ahead, so they overlap that unit's compute), and waited
   for just before their own first consumer;
-* a unit's gradient reductions are issued as soon as its last gradient is computed and waited
-  for right after the next unit's are issued (the last at the end of the backward);
+* a unit's gradient reductions are issued as soon as its last gradient is computed (a later
+  level as soon as the earlier one is done) and the last level is waited for right after the
+  next unit's is issued (one in flight; the last unit's at the end of the backward);
 * everything else stays in place; what a moved node needs moves with it (just in time).
 """
 
@@ -123,30 +127,33 @@ class _GraphBuckets:
             stack.extend(n.all_input_nodes)
         return self.params[min(found, key=self.index.__getitem__)] if found else None
 
-    def _gathers(self) -> list[fx.Node]:
-        """First-level parameter gathers (no collective earlier on their chain)."""
-        upstream: dict[fx.Node, bool] = {}
-        out = []
+    def _gathers(self) -> dict[fx.Node, int]:
+        """Parameter gathers -> their level: how many collectives come before them on their
+        chain (a parameter split on two mesh dims is gathered on one, then the other)."""
+        level: dict[fx.Node, int] = {}
+        out = {}
         for n in self.graph.nodes:
             if n not in self.side:
                 continue
-            up = any(upstream.get(a, False) for a in n.all_input_nodes)
-            if n.target is AG and not up and _single_wait(n) is not None:
-                out.append(n)
-            upstream[n] = up or n.target in COLLECTIVES
+            up = max((level.get(a, 0) for a in n.all_input_nodes), default=0)
+            if n.target is AG and _single_wait(n) is not None:
+                out[n] = up
+            level[n] = up + (n.target in COLLECTIVES)
         return out
 
-    def _reductions(self) -> dict[fx.Node, str]:
-        """The first reduction on each gradient's single-input chain -> its parameter FQN."""
+    def _reductions(self) -> dict[fx.Node, tuple[str, int, bool]]:
+        """Reductions on each gradient's single-input chain -> (parameter FQN, level from
+        the top of the chain, whether it is the chain's last)."""
         out = {}
         for o, fqn in self.grads.items():
-            top, cur = None, o
+            chain, cur = [], o
             while cur.op == "call_function" and len(cur.all_input_nodes) == 1:
-                if cur.target in (RS, AR):
-                    top = cur
+                if cur.target in (RS, AR) and cur not in self.side and _single_wait(cur) is not None:
+                    chain.append(cur)
                 cur = cur.all_input_nodes[0]
-            if top is not None and top not in self.side and _single_wait(top) is not None:
-                out[top] = fqn
+            chain.reverse()
+            for i, c in enumerate(chain):
+                out[c] = (fqn, i, i == len(chain) - 1)
         return out
 
     def _first_use(self) -> dict[fx.Node, float]:
@@ -164,25 +171,28 @@ class _GraphBuckets:
         first = self._first_use()
         groups: dict[tuple, list[fx.Node]] = defaultdict(list)
         unit_first: dict[str, float] = {}
-        for c in gathers:
+        for c, level in gathers.items():
             unit = unit_of(self._origin(c), self.units)
-            groups[(unit, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)].append(c)
+            groups[(unit, level, True, c.target, tuple(c.args[1:]),
+                    c.args[0].meta["val"].dtype)].append(c)
             unit_first[unit] = min(unit_first.get(unit, math.inf), first[c])
-        for c, fqn in reductions.items():
-            unit = unit_of(fqn, self.units)
-            groups[(unit, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)].append(c)
+        for c, (fqn, level, last) in reductions.items():
+            groups[(unit_of(fqn, self.units), level, last, c.target, tuple(c.args[1:]),
+                    c.args[0].meta["val"].dtype)].append(c)
 
         anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
-        reduction_waits: list[fx.Node] = []
+        reduction_waits: list[fx.Node] = []  # waits of a chain's last reduction
         order = sorted(unit_first, key=unit_first.__getitem__)
         issue_at = {u: (unit_first[order[i - 1]] + 0.5 if i else -1.0) for i, u in enumerate(order)}
-        for (unit, target, _args, _dt), members in groups.items():
+        # merge in chain order: a later level's inputs are an earlier level's outputs
+        for (unit, level, last, target, _args, _dt), members in sorted(
+                groups.items(), key=lambda kv: kv[0][1]):
             if self.enabled and len(members) > 1:
                 members = [self._merge(target, members)]
             for c in members:
                 if target is AG:
-                    anchor[c] = issue_at[unit]
-                else:
+                    anchor[c] = issue_at[unit] + 1e-3 * level
+                elif last:
                     reduction_waits.append(next(iter(c.users)))
         return self._schedule(anchor, reduction_waits)
 
@@ -219,6 +229,7 @@ class _GraphBuckets:
                         for i, s in enumerate(shapes)]
         for c, o in zip(members, outs):
             old_wait = next(iter(c.users))
+            o.meta = dict(old_wait.meta)  # what a later level's merge reads
             old_wait.replace_all_uses_with(o)
             g.erase_node(old_wait)
             g.erase_node(c)
