@@ -28,7 +28,7 @@ from torch.distributed.tensor import Placement, Shard
 from . import placements as P
 from . import repeat
 from .apply import GraphRunner, build_parallel_module
-from .buckets import fsdp_units
+from .buckets import fsdp_units, regathered_params
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
@@ -188,6 +188,8 @@ class AutoParallel:
                  self.table.memo_hits, self.table.memo_misses)
         self.estimator = Estimator(self.cost_model, tuple(self.mesh.shape))
         self.solver = PlacementSolver(self.tg, self.table, self.estimator)
+        self.solver.regathered = regathered_params(
+            self.tg.params, self.reshard_after_forward, fsdp_units(self.model))
         if self.param_dtype is not None:
             self.solver.no_comm_edges = self._mp_no_comm_edges()
         t = time.perf_counter()
@@ -421,7 +423,7 @@ class AutoParallel:
                        "step_us": sol.compute_us + sol.exposed_comm_us,
                        "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
                        "param_fraction": (local / total) if total else 1.0,
-                       **plan_memory(tg, table, sol.choice)},
+                       **plan_memory(tg, table, sol.choice, regathered=self.solver.regathered)},
             solver={"status": sol.status, "optimal": sol.optimal, "gap": sol.gap, "objective": sol.objective,
                     "num_vars": sol.num_vars, "num_rows": sol.num_rows},
             timings=dict(self.timings),

@@ -148,17 +148,13 @@ class GraphRunner:
                 env.get(_REDISTRIBUTED, {}).pop(v, None)
 
     def kept_gathered(self) -> set[str] | None:
-        """Parameters whose gathered values the forward keeps for the backward (None: all).
-        "default" is torchtitan's FSDP2 policy: re-gather every unit's parameters except the
-        root's and the last unit's, which the backward needs first."""
+        """Parameters whose gathered values the forward keeps for the backward (None: all)."""
         if self.reshard_policy == "never":
             return None
-        if self.reshard_policy == "always":
-            return set()
-        from .buckets import unit_of
+        from .buckets import regathered_params
 
-        last = self.units[-1] if self.units else ""
-        return {f for f in self.tg.params if unit_of(f, self.units) in ("", last)}
+        return set(self.tg.params) - regathered_params(self.tg.params, self.reshard_policy,
+                                                       self.units)
 
     def _local_meta(self, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Local shape and dtype of forward output i in its planned placement."""

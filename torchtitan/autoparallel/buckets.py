@@ -72,6 +72,19 @@ def unit_of(fqn: str | None, units: list[str]) -> str:
     return best
 
 
+def regathered_params(fqns, policy: bool | str, units: list[str]) -> frozenset[str]:
+    """Parameters gathered again in the backward under a reshard-after-forward policy (True /
+    "always": all; False / "never": none; "default", torchtitan's: all but the root's and the
+    last unit's, which the backward needs first)."""
+    policy = {True: "always", False: "never"}.get(policy, policy)
+    if policy == "never":
+        return frozenset()
+    if policy == "always":
+        return frozenset(fqns)
+    last = units[-1] if units else ""
+    return frozenset(f for f in fqns if unit_of(f, units) not in ("", last))
+
+
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for n in gm.graph.nodes:

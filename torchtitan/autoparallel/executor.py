@@ -48,10 +48,11 @@ class LoweredPlan:
         self.grad_slots = [slot_of[f] for f in part.grad_names]
         self.n_in = len(keys)
         if compile_kwargs is None:
-            self.fwd, self.bwd = part.fwd, part.bwd
+            self.fwd, self.bwd = part.fwd, _boxed(part.bwd)
         else:
             self.fwd = torch.compile(part.fwd, **compile_kwargs)
-            self.bwd = torch.compile(part.bwd, **compile_kwargs)
+            bwd = torch.compile(part.bwd, **compile_kwargs)
+            self.bwd = lambda args: bwd(*args)
 
 
 class _PlanFunction(torch.autograd.Function):
@@ -73,12 +74,24 @@ class _PlanFunction(torch.autograd.Function):
                 shape, dtype = lp.out_like[i]
                 g = torch.zeros(shape, dtype=dtype, device=ctx.saved[0].device if ctx.saved else None)
             tangents.append(g.contiguous())
-        out = lp.bwd(*ctx.saved, *tangents)
-        ctx.saved = None
+        args = [*ctx.saved, *tangents]
+        ctx.saved = tangents = None
+        out = lp.bwd(args)  # eager: the graph empties `args`, freeing each input after last use
         res: list = [None] * lp.n_in
         for slot, g in zip(lp.grad_slots, out):
             res[slot] = g
         return (None, *res)
+
+
+def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` taking one list of inputs that it empties on entry (torch.fx's boxed calling
+    convention), so each saved activation is freed after its last use in the backward rather
+    than when the whole backward returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm
 
 
 def run_lowered(runner, env: dict, device, compile_kwargs: dict | None) -> list[torch.Tensor]:

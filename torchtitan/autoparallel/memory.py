@@ -11,6 +11,9 @@ for the input gradient), the view keeps that new copy alive: a "copy" term, coun
 edge, in the placement the view receives.  All of them are
 assumed alive at once (the forward/backward boundary), which is where a training step
 without activation checkpointing peaks.  Temporary buffers inside one op are not counted.
+Parameters the executor re-gathers in the backward (`regathered`, its reshard-after-forward
+policy) keep nothing of their chain alive: values computed on a parameter's single-input chain
+(its cast, transpose, gathered copy) are recomputed, so they count for no saved bytes.
 
 Every term is linear in the strategy choice of one node, so the budget is one linear row
 of the 0/1 program.  In a shallow trace (repeat.py) a term counts once per block it stands
@@ -97,19 +100,42 @@ def saved_view_inputs(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.No
     return list(edges)
 
 
+def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
+    """Nodes on a parameter's single-input chain (the parameter, its cast, transpose, views)
+    -> the parameter's FQN."""
+    owner: dict[fx.Node, str] = {}
+    for fqn, pnode in tg.params.items():
+        frontier = [pnode]
+        while frontier:
+            n = frontier.pop()
+            owner[n] = fqn
+            for u in n.users:
+                ns = table.nodes.get(u)
+                if ns is not None and len(ns.sources) == 1 and u not in owner:
+                    frontier.append(u)
+    return owner
+
+
 def memory_terms(tg: TracedGraph, table: StrategyTable,
-                 optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM) -> list[MemoryTerm]:
+                 optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+                 regathered: frozenset[str] = frozenset()) -> list[MemoryTerm]:
     terms = []
+    chain = param_chains(tg, table) if regathered else {}
+    recomputed = lambda n: chain.get(n) in regathered  # noqa: E731
     for pnode in tg.params.values():
         v = pnode.meta["val"]
         per_elem = 2 * v.element_size() + optim_bytes_per_elem
         terms.append(MemoryTerm(pnode, 0, float(v.numel() * per_elem), "param"))
     for node, idx in saved_activations(tg, table):
+        if recomputed(node):
+            continue
         v = node.meta["val"]
         if isinstance(v, (list, tuple)):
             v = v[idx]
         terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation"))
     for node, k in saved_view_inputs(tg, table):
+        if recomputed(node):
+            continue
         v = _source_value(table.nodes[node].sources[k])
         terms.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
     return terms
@@ -141,11 +167,12 @@ def term_fraction(term: MemoryTerm, table: StrategyTable, s: int) -> float:
 
 
 def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
-                optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM) -> dict[str, float]:
+                optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+                regathered: frozenset[str] = frozenset()) -> dict[str, float]:
     """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index)."""
     out = {"param_bytes_per_rank": 0.0, "grad_bytes_per_rank": 0.0, "optim_bytes_per_rank": 0.0,
            "activation_bytes_per_rank": 0.0}
-    for t in memory_terms(tg, table, optim_bytes_per_elem):
+    for t in memory_terms(tg, table, optim_bytes_per_elem, regathered):
         if t.kind == "copy":
             ns = table.nodes[t.node]
             src_node, src_idx = ns.sources[t.arg]

@@ -225,6 +225,8 @@ class PlacementSolver:
         self.rep: dict[fx.Node, fx.Node] | None = None
         self._param_side: set | None = None
         self._pair_memo: dict = {}
+        # parameters the executor gathers again in the backward (memory.py)
+        self.regathered: frozenset[str] = frozenset()
 
     def param_side_nodes(self) -> set:
         """Nodes on a parameter's single-input chain (param, cast, transpose, view) and on a
@@ -478,7 +480,7 @@ class PlacementSolver:
                 # by the budget so the row's coefficients are O(1)
                 from .memory import copy_fraction, memory_terms, term_fraction
                 terms = []
-                for t in memory_terms(tg, table):
+                for t in memory_terms(tg, table, regathered=self.regathered):
                     if t.kind == "copy":  # on the edge: held only if it redistributes
                         # (through a hub: counted on both steps, an upper bound)
                         src = table.nodes[t.node].sources[t.arg]
