@@ -147,7 +147,10 @@ def run_one(model_name, mesh_name, world, bf16=False):
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
     worst_out = worst_grad = 0.0
-    for step in range(1, STEPS + 1):
+    # bf16 against the fp32 reference: one step (AdamW turns bf16 gradient noise into
+    # lr-sized differences, so later steps would compare two different trajectories)
+    steps = 1 if bf16 else STEPS
+    for step in range(1, steps + 1):
         if step > 1:
             inputs, labels = make_inputs(g), make_labels(g)
             ref_out = ref(*inputs)
@@ -170,11 +173,12 @@ def run_one(model_name, mesh_name, world, bf16=False):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             o.step()
             o.zero_grad()
-    check(f"{model_name}/{mesh_name} forward x{STEPS}", True, f"max err {worst_out:.2e}")
-    check(f"{model_name}/{mesh_name} grads x{STEPS}", True, f"max err {worst_grad:.2e} (every parameter, every step)")
-    bad = [n for n, p in pm.named_parameters()
-           if not close(p.full_tensor(), names_ref[n].detach(), bf16)]
-    check(f"{model_name}/{mesh_name} params after {STEPS} steps", not bad, str(bad[:3]))
+    check(f"{model_name}/{mesh_name} forward x{steps}", True, f"max err {worst_out:.2e}")
+    check(f"{model_name}/{mesh_name} grads x{steps}", True, f"max err {worst_grad:.2e} (every parameter, every step)")
+    if not bf16:
+        bad = [n for n, p in pm.named_parameters()
+               if not close(p.full_tensor(), names_ref[n].detach(), bf16)]
+        check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
 
 
 def check_attention_rules(mesh_name: str) -> None:
