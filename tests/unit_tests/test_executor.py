@@ -49,6 +49,7 @@ def lowered(mesh, model_fn, example, fsdp=False, **kw):
     local = example[: example.shape[0] // 4]  # many tokens per weight: an FSDP-like plan
     pm(local).float().pow(2).mean().backward()  # lowers (fake collectives move no data)
     (lp,) = pm._ap_runner._lowered.values()
+    lp.module = pm
     return lp
 
 
@@ -107,6 +108,12 @@ def test_tied_weight_is_one_parameter_with_one_gradient(dp4):
     lp = lowered(dp4, TiedLM, torch.randint(0, 64, (8, 16)))
     assert lp.partition.grad_names.count("tok.weight") == 1
     assert "head.weight" not in lp.partition.grad_names
+    pm = lp.module  # saved and loaded under both original FQNs, still one tensor
+    assert pm.head.weight is pm.tok.weight
+    sd = pm.state_dict()
+    assert sd["head.weight"].to_local().data_ptr() == sd["tok.weight"].to_local().data_ptr()
+    pm.load_state_dict(sd)
+    assert pm.head.weight is pm.tok.weight
 
 
 def test_gradient_reductions_one_in_flight(dp4):
@@ -120,3 +127,18 @@ def test_gradient_reductions_one_in_flight(dp4):
         wait = next(iter(r.users))
         assert pos[nxt] < pos[wait] < min((pos[x] for x in reductions if pos[x] > pos[nxt]),
                                           default=len(order))
+
+
+def test_lowering_refuses_a_captured_tensor():
+    """A value closed over instead of passed in would be reused on every later call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchtitan.autoparallel import PlannerError
+    from torchtitan.autoparallel.lower import _check_constants
+
+    stale = torch.randn(4, 4)
+    gm = make_fx(lambda x: x @ stale)(torch.randn(4, 4))
+    with pytest.raises(PlannerError, match="captured tensor constant"):
+        _check_constants(gm, allowed=set())
+    _check_constants(gm, allowed={id(getattr(gm, n.target)) for n in gm.graph.nodes
+                                  if n.op == "get_attr"})  # a true constant of the model
