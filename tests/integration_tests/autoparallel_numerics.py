@@ -6,11 +6,15 @@ For each model and each mesh (dp4, tp4, dp2xtp2 — the same 4 ranks reshaped) i
 (`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it, initialises with
 `init_weights` and checks:
   * initial parameters equal the single-process init bitwise;
-  * the forward output equals the single-process output on this rank's batch slice;
-  * every parameter gradient equals the single-process gradient (fp32, atol/rtol 1e-5).
+  * then for `AP_STEPS` (5) AdamW steps, a new batch each, next to a single-process copy: the
+    forward output on this rank's batch slice and every parameter gradient at every step
+    (fp32, atol/rtol 1e-5), and the parameters after the last step.
 With `bf16` the plan uses mixed precision (bf16 params/compute, fp32 gradient reduction) and
-the checks compare against the fp32 reference at bf16 tolerance (gradients must be fp32).
-`AP_COMPILE=1` runs the parallel module after `module.compile()` (tolerance 1e-4).
+one step is compared against the fp32 reference at bf16 tolerance (gradients must be fp32).
+Model `errors` checks that train-mode dropout, an infeasible plan and an uneven batch split
+raise the same PlannerError on every rank.
+`AP_COMPILE=1` runs the parallel module after `module.compile()` (tolerance 1e-4);
+`AP_EXECUTOR=dtensor` runs the reference DTensor interpreter instead of the lowered graphs.
 Model `attention` checks the planner's attention op on DTensors split by batch and by heads.
 `AP_LLAMA_LAYERS=6` checks the full-depth debug model (default 2 layers, to keep CI short).
 Prints one line per check and `ALL OK` at the end; exits non-zero on the first failure.
@@ -82,6 +86,7 @@ def check(name: str, ok: bool, detail: str = "", quiet: bool = False) -> None:
 
 COMPILE = os.environ.get("AP_COMPILE") == "1"
 STEPS = int(os.environ.get("AP_STEPS", "5"))
+EXECUTOR = os.environ.get("AP_EXECUTOR", "lowered")  # "dtensor": the reference interpreter
 
 
 def close(a, b, bf16):
@@ -114,7 +119,7 @@ def run_one(model_name, mesh_name, world, bf16=False):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     model_name = model_name + ("+bf16" if bf16 else "")
     with AutoParallel(meta_model, lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
-                      mesh, cost_model="h100", mp_policy=mp) as autop:
+                      mesh, cost_model="h100", mp_policy=mp, executor=EXECUTOR) as autop:
         autop.add_parameter_memory_constraint()
         autop.add_input_constraints([batch_pin])
         autop.add_output_constraints([batch_pin])

@@ -50,6 +50,11 @@ def test_errors_reach_every_rank():
     assert out.count("OK   errors/") == 8
 
 
+def test_dtensor_reference_interpreter():
+    out = _torchrun("gpt2,tied", "dp2tp2", env={"AP_EXECUTOR": "dtensor"})
+    assert "OK   gpt2/dp2tp2 grads x5" in out and "OK   tied/dp2tp2 params after 5 steps" in out
+
+
 def test_attention_op_split_by_batch_and_heads():
     out = _torchrun("attention", "tp4,dp2tp2")
     assert out.count("OK   attention/") == 10

@@ -6,15 +6,15 @@ placements; its class is a dynamic subclass of the user's class, so `isinstance`
 methods and `init_weights` keep working (`init_weights` runs under `exact_sharded_init`, so a
 seed gives the same full tensors on any mesh).
 
-`forward` interprets the traced graph over DTensors: before each op, every tensor input is
-redistributed to the placement the plan chose for that op (these are the plan's
-collectives), then the ATen op runs through DTensor.  With `backward="plan"` (default) a
-custom autograd function runs the joint graph's *backward* nodes the same way, so gradient
-reductions happen where the solver put them; with `backward="autograd"` DTensor autograd
+`forward` runs the plan through the executor (executor.py): the joint graph lowered to local
+forward and backward graphs with the plan's collectives, FSDP-bucketed.  The reference path,
+`executor="dtensor"`, interprets the traced graph over DTensors instead: before each op every
+tensor input is redistributed to the placement the plan chose for that op, then the ATen op
+runs through DTensor; with `backward="plan"` (default) a custom autograd function runs the
+joint graph's *backward* nodes the same way, with `backward="autograd"` DTensor autograd
 derives the backward from the planned forward.  Either way gradients land in the parameters'
-placements.  Outputs are redistributed to the
-planned output placement and returned as local tensors; the caller passes local inputs
-(per-rank shards of the global-shaped example inputs).
+placements, outputs come back as local tensors in the planned output placement, and the
+caller passes local inputs (per-rank shards of the global-shaped example inputs).
 
 With `grad_reduction="mean"` (default, like DDP/FSDP) the output gradients are divided by the
 number of ranks that split the batch, so a per-rank mean loss yields the global-mean gradient.

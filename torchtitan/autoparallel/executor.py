@@ -4,7 +4,8 @@ Per input signature (local shapes and dtypes of parameters, buffers and inputs) 
 lowered once (lower.py), partitioned into a forward and a backward graph, and its collectives
 grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
 ATen ops and functional collectives, no DTensor dispatch.  After `module.compile()` the *same*
-two graphs are handed to `torch.compile`.  A custom autograd function connects them: the
+two graphs are handed to `torch.compile`.  The eager backward takes its inputs as one list it
+empties (saved values die at their last use); the compiled one holds them until it returns.  A custom autograd function connects them: the
 forward graph returns the outputs and the saved values, the backward graph maps those and the
 output gradients to parameter gradients in their planned placements.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .buckets import bucket_collectives, fsdp_units
+from .buckets import bucket_collectives
 from .lower import lower_joint, partition
 
 
@@ -39,8 +40,7 @@ class LoweredPlan:
         joint = lower_joint(runner, keys + tangent_keys, placements + tangent_pls,
                             locals_ + tangent_locals, device)
         part = partition(joint, runner.kept_gathered())
-        units = runner.units
-        self.stats = bucket_collectives(part, units, enabled=runner.bucket)
+        self.stats = bucket_collectives(part, runner.units, enabled=runner.bucket)
         self.partition = part
         self.n_out = part.n_outputs
         # the backward graph returns one gradient per parameter that gets one, in this order
@@ -111,5 +111,3 @@ def run_lowered(runner, env: dict, device, compile_kwargs: dict | None) -> list[
     # to_local keeps autograd: gradients of the local shards flow back into the DTensor params
     return list(_PlanFunction.apply(lp, *locals_))
 
-
-__all__ = ["LoweredPlan", "run_lowered", "fsdp_units"]
