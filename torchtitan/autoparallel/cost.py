@@ -170,6 +170,9 @@ class Estimator:
             # bytes this rank holds before the step, under the placements reached so far
             nbytes = math.prod(P.local_shape(shape, tuple(cur), self.mesh_shape)) * itemsize
             n = self.mesh_shape[d]
+            if n == 1:  # a mesh dim of one rank: every placement holds the whole tensor
+                cur[d] = t
+                continue
             link = self.links[d]
             frac = (n - 1) / n
             bw = link.bw_gbps * 1e9 / 1e6  # bytes per us
