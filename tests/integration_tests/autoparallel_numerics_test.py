@@ -67,14 +67,15 @@ def test_mixed_precision_mlp():
 
 def test_compiled_matches_single_process_from_step_2_on():
     """The models whose compiled gradients used to go wrong from the second call on
-    (LayerNorm statistics captured as constants), 5 steps through inductor."""
-    out = _torchrun("mixer,tied", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500)
+    (LayerNorm statistics captured as constants) and Llama, 5 steps through inductor."""
+    out = _torchrun("mixer,tied,llama", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "OK   mixer+compile/dp2tp2 grads x5" in out
     assert "OK   tied+compile/dp2tp2 params after 5 steps" in out
+    assert "OK   llama+compile/dp2tp2 grads x5" in out
 
 
 @pytest.mark.skipif(os.environ.get("AP_COMPILE_TEST") != "1",
-                    reason="compiling Llama on 4 ranks takes minutes more; set AP_COMPILE_TEST=1")
-def test_compiled_llama_on_2d_mesh():
-    out = _torchrun("llama", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500)
-    assert "OK   llama+compile/dp2tp2 grads x5" in out
+                    reason="two more cold compiles of Llama on 4 ranks; set AP_COMPILE_TEST=1")
+def test_compiled_llama_on_1d_meshes():
+    out = _torchrun("llama", "dp4,tp4", env={"AP_COMPILE": "1"}, timeout=1500)
+    assert "OK   llama+compile/dp4 grads x5" in out and "OK   llama+compile/tp4 grads x5" in out
