@@ -32,7 +32,7 @@ from .buckets import fsdp_units, regathered_params
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
-from .memory import plan_memory
+from .memory import param_chains, plan_memory
 from .plan import Plan, graph_fingerprint
 from .solver import PlacementSolver, UserConstraint, prune_unreachable
 from .strategies import build_strategies
@@ -434,16 +434,7 @@ class AutoParallel:
     def _param_comm(self, sol) -> dict[str, float]:
         """Predicted communication attributable to each parameter: redistributions of the
         parameter and of its single-input chain (cast, transpose, view) plus its gradient's."""
-        owner: dict = {}
-        for fqn, pnode in self.tg.params.items():
-            frontier = [pnode]
-            while frontier:
-                n = frontier.pop()
-                owner[n] = fqn
-                for u in n.users:
-                    ns = self.table.nodes.get(u)
-                    if ns is not None and len(ns.sources) == 1 and u not in owner:
-                        frontier.append(u)
+        owner = param_chains(self.tg, self.table)
         out = {fqn: 0.0 for fqn in self.tg.params}
         for key, us in sol.edge_comm.items():
             if key[0] == "grad":

@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate
 from . import placements as P
 from .cost import INF, Estimator
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
+from .memory import copy_fraction, memory_terms, param_chains, term_fraction
 from .strategies import StrategyTable
 from .trace import TracedGraph
 
@@ -233,16 +234,7 @@ class PlacementSolver:
         gradient's single-input chain back from the gradient output.  Communication on edges
         out of the former / into the latter is parameter-side (overlappable with compute)."""
         if self._param_side is None:
-            side = set()
-            for pnode in self.tg.params.values():
-                frontier = [pnode]
-                while frontier:
-                    n = frontier.pop()
-                    side.add(n)
-                    for u in n.users:
-                        ns = self.table.nodes.get(u)
-                        if ns is not None and len(ns.sources) == 1 and u not in side:
-                            frontier.append(u)
+            side = set(param_chains(self.tg, self.table))
             self._grad_side = set()
             for g in self.tg.grads.values():
                 if g is None:
@@ -478,7 +470,6 @@ class PlacementSolver:
             elif c.kind == "bytes":
                 # per-rank bytes (params, grads, optimizer state, saved activations), scaled
                 # by the budget so the row's coefficients are O(1)
-                from .memory import copy_fraction, memory_terms, term_fraction
                 terms = []
                 for t in memory_terms(tg, table, regathered=self.regathered):
                     if t.kind == "copy":  # on the edge: held only if it redistributes
