@@ -125,7 +125,7 @@ class Trainer:
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
         model = spec.parallelize_fn(model, self.parallel_dims, job_config)
         model.to_empty(device=self.device)
-        with torch.no_grad(), exact_sharded_init():
+        with torch.no_grad(), exact_sharded_init(model):
             model.init_weights()
         model.train()
         self.model = model

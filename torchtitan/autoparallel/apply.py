@@ -427,7 +427,7 @@ def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: D
     if hasattr(user_cls, "init_weights"):
         def init_weights(self, *a, **kw):
             from torchtitan.distributed.sharded_init import exact_sharded_init
-            with exact_sharded_init():
+            with exact_sharded_init(self):
                 return user_cls.init_weights(self, *a, **kw)
         init_weights.__doc__ = getattr(user_cls.init_weights, "__doc__", None)
         attrs["init_weights"] = init_weights

@@ -119,28 +119,12 @@ def shallow_copy(model: nn.Module, blocks: list[RepeatedBlocks]) -> nn.Module:
     return out
 
 
-def label_hooks(model: nn.Module, containers: list[str]) -> list:
-    """Forward hooks labelling everything traced inside child j of each container
-    `"<container>#j"`; returns the hook handles (remove them after tracing)."""
-    from torch.fx import traceback as fx_traceback
-
-    handles = []
-    open_ctx: dict[int, object] = {}
-    for cname in containers:
-        for j, (_n, child) in enumerate(model.get_submodule(cname).named_children()):
-            label = f"{cname}#{j}"
-
-            def pre(_mod, _args, label=label, key=id(child)):
-                ctx = fx_traceback.annotate({LABEL_KEY: label})
-                ctx.__enter__()
-                open_ctx[key] = ctx
-
-            def post(_mod, _args, _out, key=id(child)):
-                open_ctx.pop(key).__exit__(None, None, None)
-
-            handles.append(child.register_forward_pre_hook(pre))
-            handles.append(child.register_forward_hook(post))
-    return handles
+def block_labels(model: nn.Module, containers: list[str]) -> list[tuple[nn.Module, dict]]:
+    """The annotation for everything traced inside child j of each container:
+    `{LABEL_KEY: "<container>#j"}` (trace.py applies them with forward hooks)."""
+    return [(child, {LABEL_KEY: f"{cname}#{j}"})
+            for cname in containers
+            for j, (_n, child) in enumerate(model.get_submodule(cname).named_children())]
 
 
 def is_placed(node: fx.Node) -> bool:

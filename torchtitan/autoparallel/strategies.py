@@ -231,7 +231,11 @@ class StrategyBuilder:
             return a
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
-        return OpSchema(node.target, args, kwargs, schema_info=self.prop.op_to_schema_info.get(node.target))
+        # single-dim rules keep their schema info (e.g. needs_pytree: `index.Tensor`'s list of
+        # optional index tensors) in a table of their own
+        info = (self.prop.op_to_schema_info.get(node.target)
+                or self.prop.op_to_schema_info_for_single_dim_strategy.get(node.target))
+        return OpSchema(node.target, args, kwargs, schema_info=info)
 
     def _query(self, node, inputs, cand_lists, n_out) -> list[Strategy]:
         op = node.target

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import operator
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,8 +26,10 @@ import torch.fx as fx
 from torch.fx import traceback as fx_traceback
 import torch.nn as nn
 from torch._functorch._aot_autograd import fx_utils
+from torch._export.utils import _compiling_state_context
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from .attention import route_attention
@@ -143,7 +148,8 @@ def trace_joint(
     fake_model = repeat.shallow_copy(model, blocks) if shallow and blocks else copy.deepcopy(model)
     _fakeify(fake_model, fake_mode)
     containers = [b.container for b in blocks]
-    handles = repeat.label_hooks(fake_model, containers) + _module_hooks(fake_model)
+    notes = repeat.block_labels(fake_model, containers) + [
+        (mod, {MODULE_KEY: fqn or type(model).__name__}) for fqn, mod in fake_model.named_modules()]
     with fake_mode:
         inputs = input_fn()
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -160,11 +166,14 @@ def trace_joint(
 
     with contextlib.ExitStack() as stack, route_attention():
         stack.enter_context(fx_traceback.preserve_node_meta())
+        # model code that asks "am I being compiled/exported?" (transformers' mask helpers skip
+        # data-dependent checks then) gets the answer torch.export's own tracer gives
+        stack.enter_context(_compiling_state_context())
+        stack.enter_context(_annotating(notes))
         try:
             joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
-        finally:
-            for h in handles:
-                h.remove()
+        except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
+            raise PlannerError(_data_dependent_message(e)) from None
         gm = joint.graph_module
     graph = gm.graph
 
@@ -208,23 +217,50 @@ def trace_joint(
     return tg
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE_KEY = "autoparallel_module"  # node.meta["custom"] key: FQN of the module that ran it
 
 
-def _module_hooks(model: nn.Module) -> list:
-    """Label every node traced with the FQN of the innermost module running (for messages)."""
-    handles, open_ctx = [], {}
-    for fqn, mod in model.named_modules():
-        def pre(_m, _a, fqn=fqn or type(model).__name__):
-            ctx = fx_traceback.annotate({MODULE_KEY: fqn})
-            ctx.__enter__()
-            open_ctx.setdefault(fqn, []).append(ctx)
+@contextlib.contextmanager
+def _annotating(entries: list[tuple[nn.Module, dict]]):
+    """While tracing, nodes traced inside each module carry its annotation in
+    `node.meta["custom"]` (nested modules: the innermost wins per key).  Annotations a
+    raising forward left open are closed on the way out, innermost first."""
+    handles, open_ctx = [], []
 
-        def post(_m, _a, _o, fqn=fqn or type(model).__name__):
-            open_ctx[fqn].pop().__exit__(None, None, None)
+    def pre(_m, _a, note):
+        ctx = fx_traceback.annotate(note)
+        ctx.__enter__()
+        open_ctx.append(ctx)
 
-        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    return handles
+    def post(_m, _a, _o):
+        open_ctx.pop().__exit__(None, None, None)
+
+    for mod, note in entries:
+        handles += [mod.register_forward_pre_hook(functools.partial(pre, note=note)),
+                    mod.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while open_ctx:
+            open_ctx.pop().__exit__(None, None, None)
+
+
+def _data_dependent_message(e: Exception) -> str:
+    """Name the op whose result depends on tensor values and the model line that asked for it
+    (the innermost frame of the traceback outside torch)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    where = "the model's forward"
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if not frame.filename.startswith(torch_dir) and not frame.filename.startswith(_HERE):
+            where = f"{frame.filename}:{frame.lineno} ({frame.line})"
+            break
+    op = getattr(e, "func", None) or str(e).splitlines()[0]
+    return (f"data-dependent op {op} at {where}: the planner traces with fake tensors and cannot "
+            "branch on tensor values; make the control flow independent of the data "
+            "(or guard it with torch.compiler.is_compiling())")
 
 
 def _merge_tied(graph: fx.Graph, params: dict, grads: dict, model: nn.Module) -> None:

@@ -1,0 +1,58 @@
+"""Tiny Hugging Face `transformers` models, built in code (no download), for the planner tests.
+
+Each is a real `transformers` class with its own configuration defaults and its own
+initialisation (`init_weights()` runs the class's `_init_weights`); only sizes are shrunk
+(hidden 64, 2 layers, vocab 128) and dropout is 0, as the planner refuses random ops.
+`build(name)` returns the model under the current default device (use `torch.device("meta")`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+NAMES = ("hf_llama", "hf_qwen2", "hf_mistral", "hf_gpt2", "hf_bert")
+
+
+def available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def config(name: str):
+    import transformers as T
+
+    decoder = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   use_cache=False, bos_token_id=1, eos_token_id=2)
+    if name == "hf_llama":
+        cfg = T.LlamaConfig(**decoder)
+    elif name == "hf_qwen2":
+        cfg = T.Qwen2Config(**decoder)
+    elif name == "hf_mistral":
+        cfg = T.MistralConfig(**decoder)
+    elif name == "hf_gpt2":  # LM head tied to the token embedding
+        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                           use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=1, eos_token_id=2)
+    elif name == "hf_bert":  # encoder; MLM decoder tied to the word embedding; padding row
+        cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    else:
+        raise KeyError(name)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build(name: str):
+    import transformers as T
+
+    classes = {"hf_llama": T.LlamaForCausalLM, "hf_qwen2": T.Qwen2ForCausalLM,
+               "hf_mistral": T.MistralForCausalLM, "hf_gpt2": T.GPT2LMHeadModel,
+               "hf_bert": T.BertForMaskedLM}
+    return classes[name](config(name))
+
