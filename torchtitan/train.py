@@ -57,7 +57,7 @@ def resolve_model_args(spec: Any, job_config: JobConfig, tokenizer: Any) -> Any:
             f"--model.flavor: unknown flavor {flavor!r} for {spec.name}; "
             f"choose from {', '.join(spec.flavors)}"
         )
-    model_args = copy.deepcopy(spec.flavors[flavor])
+    model_args = copy.deepcopy(spec.flavors[flavor])  # may explain a bad flavor itself
     model_args.update_from_config(job_config, tokenizer)
     return model_args
 

@@ -20,6 +20,7 @@ from torchtitan.protocols.model import BaseModelArgs
 _BUILTIN_SPECS: dict[str, str] = {
     "llama3": "torchtitan.models.llama3",
     "llama3_auto_parallel": "torchtitan.experiments.auto_parallel",
+    "hf_auto_parallel": "torchtitan.experiments.auto_parallel.hf",
 }
 _REGISTERED: dict[str, "TrainSpec"] = {}
 
@@ -27,7 +28,8 @@ _REGISTERED: dict[str, "TrainSpec"] = {}
 @dataclass(frozen=True)
 class TrainSpec:
     name: str
-    model_cls: type
+    model_cls: Callable[[BaseModelArgs], Any]
+    """Builds the model from its args (a class, or a factory); called under the meta device."""
     flavors: Mapping[str, BaseModelArgs]
     parallelize_fn: Callable[..., Any]
     """(model, parallel_dims, job_config) -> model; runs on the meta-device model."""

@@ -4,7 +4,7 @@ Same model class, flavors, tokenizer, data, optimizer, LR schedule and loss as `
 only the parallelisation differs — and the trainer cannot tell.
 """
 
-from torchtitan.experiments.auto_parallel.parallelize_llama import parallelize_llama_auto
+from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 

@@ -49,19 +49,29 @@ def _cost_model_name() -> str:
 
 
 def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    return parallelize_auto(model, parallel_dims, job_config, model.tok_embeddings.num_embeddings)
+
+
+def parallelize_hf_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+    return parallelize_auto(model, parallel_dims, job_config, model.get_input_embeddings().num_embeddings)
+
+
+def parallelize_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
+                     vocab_size: int) -> nn.Module:
+    """Plan and apply `model` (token ids of `vocab_size` in, logits out) on the job's mesh."""
     try:
-        return _parallelize(model, parallel_dims, job_config)
+        return _parallelize(model, parallel_dims, job_config, vocab_size)
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise UserInputError(f"auto-parallel planner: {e}") from None
 
 
-def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
+                 vocab_size: int) -> nn.Module:
     training = job_config.training
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names)
     loss_parallel = parallel_dims.loss_parallel_enabled
     global_batch = training.local_batch_size * parallel_dims.dp_degree
-    vocab_size = model.tok_embeddings.num_embeddings
 
     def input_fn():
         return torch.randint(0, vocab_size, (global_batch, training.seq_len), dtype=torch.long)

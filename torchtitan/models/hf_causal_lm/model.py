@@ -1,0 +1,105 @@
+"""A Hugging Face `transformers` causal LM as a trainer model: built from a local config only.
+
+`HFModelArgs` reads a config (a folder holding `config.json`, or the file itself; nothing is
+downloaded).  `build_hf_causal_lm(args)` makes the model class the config names
+(`AutoModelForCausalLM`) with SDPA attention and no KV cache, as a subclass whose forward
+takes the token ids and returns the logits — what the trainer's loss expects — so parameter
+names stay Hugging Face's (checkpoints load back into `transformers`).  `init_weights()` is
+the class's own (`_init_weights` per module, then weight tying).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.errors import UserInputError
+from torchtitan.protocols.model import BaseModelArgs
+
+INSTALL_HINT = "pip install -e '.[hf]' (or: pip install transformers)"
+
+
+def import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserInputError(
+            f"--model.name hf_auto_parallel needs the transformers package: {INSTALL_HINT}"
+        ) from None
+    return transformers
+
+
+def config_file(path: str) -> Path:
+    """`path` or `path/config.json`; a clear error for anything else (a hub id included)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserInputError(
+            f"--model.flavor: {path!r} is not a local Hugging Face config (a folder with "
+            "config.json, or the file); models are never downloaded"
+        )
+    return p
+
+
+@dataclass
+class HFModelArgs(BaseModelArgs):
+    """A Hugging Face config, read from `config_path` by `update_from_config`."""
+
+    config_path: str = ""
+    config: Any = field(default=None, repr=False)
+
+    def update_from_config(self, job_config: Any, tokenizer: Any) -> None:
+        transformers = import_transformers()
+        path = config_file(self.config_path)
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserInputError(f"--model.flavor: cannot read {path}: {first}") from None
+        if tokenizer.vocab_size > config.vocab_size:
+            raise UserInputError(
+                f"--model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
+                f"{path} has vocab_size {config.vocab_size}; use a matching tokenizer or config"
+            )
+        max_pos = getattr(config, "max_position_embeddings", None)
+        if max_pos is not None and job_config.training.seq_len > max_pos:
+            raise UserInputError(
+                f"--training.seq_len {job_config.training.seq_len} exceeds "
+                f"max_position_embeddings {max_pos} of {path}"
+            )
+        config.use_cache = False
+        self.config = config
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Parameters and training FLOPs per token, counted as for Llama 3: 6 per
+        non-embedding parameter plus the attention score and value matmuls."""
+        nparams = sum(p.numel() for p in model.parameters())
+        embedding = model.get_input_embeddings().weight.numel()
+        cfg = self.config
+        layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return nparams, 6 * (nparams - embedding) + 12 * layers * heads * head_dim * seq_len
+
+
+@functools.cache
+def _logits_class(cls: type) -> type:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cls.forward(self, input_ids=input_ids).logits
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                        "__doc__": cls.__doc__})
+
+
+def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:
+    """The config's causal-LM class (on the current default device), logits out."""
+    transformers = import_transformers()
+    model = transformers.AutoModelForCausalLM.from_config(args.config, attn_implementation="sdpa")
+    model.__class__ = _logits_class(type(model))
+    return model
