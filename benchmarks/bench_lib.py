@@ -11,6 +11,7 @@ step 1 (planning, lowering, compiling).
 
 from __future__ import annotations
 
+import re
 import statistics
 import tempfile
 import time
@@ -44,6 +45,7 @@ class Result:
     final_loss: float = float("nan")
     wall_s: list[float] = field(default_factory=list)
     collectives: float = float("nan")  # per step, where the run counted them
+    plan_s: list[float] = field(default_factory=list)  # auto-parallel specs: planning time
 
     @property
     def median_tps(self) -> float:
@@ -76,6 +78,9 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 result.peak_gib.append(max(v for s, v in mem.items() if s > skip_steps))
                 result.lifetime_gib.append(max(mem.values()))
                 result.final_loss = run.losses()[steps]
+                planned = re.search(r"auto-parallel planning took ([0-9.]+)s", run.output)
+                if planned:
+                    result.plan_s.append(float(planned.group(1)))
                 counted = read_scalars(tb, "comm/collectives")
                 if counted:
                     result.collectives = next(iter(counted.values()))

@@ -144,3 +144,36 @@ class Mixer(nn.Module):
             x = x + tok(self.norms[2 * i](x).transpose(1, 2)).transpose(1, 2)
             x = x + ch(self.norms[2 * i + 1](x))
         return self.head(x)
+
+
+class Indexing(nn.Module):
+    """Advanced indexing between two linear layers: a two-index-tensor read (`index.Tensor`),
+    an accumulating indexed write (`index_put`), `gather` and `scatter_add` along the
+    sequence, with index tables held in buffers that `init_weights` fills by `copy_`."""
+
+    def __init__(self, seq: int = 8, dim: int = 32):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, dim)
+        self.register_buffer("perm", torch.zeros(seq, dtype=torch.long))
+        self.register_buffer("bucket", torch.zeros(seq, dtype=torch.long))
+
+    def init_weights(self) -> None:
+        for m in (self.proj, self.head):
+            nn.init.normal_(m.weight, std=0.1)
+            nn.init.uniform_(m.bias, -0.1, 0.1)
+        seq = self.perm.shape[0]
+        self.perm.copy_(torch.tensor([(3 * i + 1) % seq for i in range(seq)]))
+        self.bucket.copy_(torch.arange(seq) // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.proj(x)
+        rows = torch.arange(b, device=x.device)[:, None]
+        permuted = h[rows, self.perm[None, :]]  # index.Tensor with two index tensors
+        pooled = torch.zeros(b, s // 2, d, device=x.device, dtype=h.dtype).index_put(
+            (rows, self.bucket[None, :]), permuted, accumulate=True)
+        idx = self.perm[None, :, None].expand(b, s, d)
+        gathered = torch.gather(h, 1, idx)
+        scattered = torch.zeros_like(h).scatter_add(1, idx, h * 0.5)
+        return self.head(permuted + gathered + scattered) + pooled.mean(1, keepdim=True)

@@ -4,8 +4,9 @@
 
 For each model and each mesh (dp4, tp4, dp2xtp2 — the same 4 ranks reshaped) it plans
 (`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it, initialises with
-`init_weights` and checks:
-  * initial parameters equal the single-process init bitwise;
+`init_weights` and checks, against one process that builds the model on meta, materialises
+it and calls the same `init_weights`:
+  * initial parameters and buffers equal the single-process init bitwise;
   * then for `AP_STEPS` (5) AdamW steps, a new batch each, next to a single-process copy: the
     forward output on this rank's batch slice and every parameter gradient at every step
     (fp32, atol/rtol 1e-5), and the parameters after the last step.
@@ -17,6 +18,8 @@ raise the same PlannerError on every rank.
 `AP_EXECUTOR=dtensor` runs the reference DTensor interpreter instead of the lowered graphs.
 Model `attention` checks the planner's attention op on DTensors split by batch and by heads.
 `AP_LLAMA_LAYERS=6` checks the full-depth debug model (default 2 layers, to keep CI short).
+Models `hf_llama`, `hf_qwen2`, `hf_mistral`, `hf_gpt2`, `hf_bert` are tiny `transformers`
+models with their own init (hf_models.py).  `AP_VERBOSE=1` prints every step's errors.
 Prints one line per check and `ALL OK` at the end; exits non-zero on the first failure.
 """
 
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import hf_models  # noqa: E402
-from autoparallel_models import GPT2Block, Mixer, MLPStack, TiedLM, tiny_llama  # noqa: E402
+from autoparallel_models import GPT2Block, Indexing, Mixer, MLPStack, TiedLM, tiny_llama  # noqa: E402
 
 from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
 
@@ -63,6 +66,8 @@ def models():
                  lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
         "mixer": (lambda: Mixer(), lambda g: (torch.randn(b, 8, 32, generator=g),),
                   lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
+        "indexing": (lambda: Indexing(), lambda g: (torch.randn(b, 8, 32, generator=g),),
+                     lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         # Hugging Face transformers models with their own init (hf_models.py)
         **{name: (lambda name=name: hf_models.build(name),
                   lambda g: (torch.randint(0, hf_models.VOCAB, (b, s), generator=g),),

@@ -4,12 +4,15 @@ Each model/mesh pair trains 5 AdamW steps next to a single-process copy, compari
 forward and every parameter gradient at every step (eager: the lowered local graphs;
 compiled: the same graphs through inductor): Llama3 (2 small layers) on dp4, tp4 and
 dp2xtp2; an MLP stack (planned from a shallow trace), a GPT-2 block, an LM with an LM head
-tied to its embedding and an MLP-Mixer with LayerNorm; mixed precision; the errors that must
-reach every rank alike (train-mode dropout, an infeasible plan, an uneven batch split).
+tied to its embedding, an MLP-Mixer with LayerNorm, advanced indexing and five Hugging Face
+models; mixed precision; the errors that must reach every rank alike (train-mode dropout, an
+infeasible plan, an uneven batch split).  Also: sharded init against one process
+(sharded_init_check.py) and every indexing strategy on real shards (strategy_check.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,9 +24,10 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 CHECKS = 4  # per model and mesh: init, forward x5, grads x5, params after 5 steps
 
 
-def _torchrun(*args: str, timeout: int = 900, env: dict | None = None) -> str:
+def _torchrun(*args: str, timeout: int = 900, env: dict | None = None,
+              script: str = "autoparallel_numerics.py") -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.join(HERE, "autoparallel_numerics.py"), *args]
+           os.path.join(HERE, script), *args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(env or {}))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -39,10 +43,59 @@ def test_llama_all_meshes_match_single_process():
     assert "OK   llama/dp2tp2 grads x5" in out
 
 
-def test_mlp_gpt2_tied_mixer_on_all_meshes():
-    out = _torchrun("mlp,gpt2,tied,mixer", "dp4,tp4,dp2tp2")
-    for model in ("mlp", "gpt2", "tied", "mixer"):
+def test_mlp_gpt2_tied_mixer_indexing_on_all_meshes():
+    out = _torchrun("mlp,gpt2,tied,mixer,indexing", "dp4,tp4,dp2tp2")
+    for model in ("mlp", "gpt2", "tied", "mixer", "indexing"):
         assert out.count(f"OK   {model}/") == 3 * CHECKS, model
+
+
+HF_MODELS = ("hf_llama", "hf_qwen2", "hf_mistral", "hf_gpt2", "hf_bert")
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install -e .[dev])")
+
+
+@needs_transformers
+def test_hf_models_on_all_meshes():
+    """Hugging Face Llama (GQA), Qwen2, Mistral, GPT-2 (tied) and BERT (tied, encoder) with
+    their own init: init bitwise, forward and every gradient at 5 steps on dp4, tp4, dp2xtp2."""
+    out = _torchrun(",".join(HF_MODELS), "dp4,tp4,dp2tp2")
+    for model in HF_MODELS:
+        assert out.count(f"OK   {model}/") == 3 * CHECKS, model
+
+
+@needs_transformers
+def test_hf_models_compiled():
+    """A GQA decoder and the tied encoder through inductor, 3 steps (cold compiles are slow
+    here; every family on every mesh: AP_COMPILE_TEST=1)."""
+    out = _torchrun("hf_llama,hf_bert", "dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"},
+                    timeout=1500)
+    assert "OK   hf_llama+compile/dp2tp2 grads x3" in out
+    assert "OK   hf_bert+compile/dp2tp2 params after 3 steps" in out
+
+
+@needs_transformers
+@pytest.mark.skipif(os.environ.get("AP_COMPILE_TEST") != "1",
+                    reason="15 cold compiles on 4 ranks; set AP_COMPILE_TEST=1")
+def test_hf_models_compiled_on_all_meshes():
+    out = _torchrun(",".join(HF_MODELS), "dp4,tp4,dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"},
+                    timeout=3600)
+    for model in HF_MODELS:
+        assert out.count(f"OK   {model}+compile/") == 3 * (CHECKS - 1), model  # init is eager
+
+
+def test_sharded_init_writes_match_single_process():
+    """Random fills, writes through views (a padding row), indexed writes and plain tensors
+    copied into sharded buffers, under every placement of a 1-D and a 2-D mesh."""
+    out = _torchrun(script="sharded_init_check.py")
+    assert out.count("OK   init/") == 9
+
+
+def test_indexing_strategies_equal_one_process():
+    """Every strategy of index / index_put / gather / scatter_add (and their backward ops)
+    computed on real shards equals one process, on a 1-D and a 2-D mesh."""
+    out = _torchrun(script="strategy_check.py")
+    assert "OK   strategies/2x2 covers index, index_put, gather, scatter_add" in out
+    assert "OK   strategies/4 aten.index.Tensor" in out and "FAIL" not in out
 
 
 def test_errors_reach_every_rank():

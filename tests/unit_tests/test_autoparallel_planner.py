@@ -247,6 +247,49 @@ def test_buffer_mutation_is_named():
             pass
 
 
+class BranchesOnData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if (h > 0).all():  # a Python branch on tensor values
+            return h * 2
+        return h
+
+
+class AsksIfCompiling(nn.Module):
+    """Like transformers' mask helpers: skip a data-dependent check when being traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not torch.compiler.is_compiling() and (h > 0).all():
+            return h * 2
+        return h
+
+
+def test_data_dependent_branch_names_op_and_model_line():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with pytest.raises(PlannerError) as err:
+        with AutoParallel(meta(BranchesOnData), lambda: torch.randn(16, 8), mesh):
+            pass
+    msg = str(err.value)
+    assert "data-dependent op aten._local_scalar_dense.default" in msg
+    assert f"{__file__}:" in msg and "if (h > 0).all():" in msg
+
+
+def test_model_code_sees_a_trace_as_compiling():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with AutoParallel(meta(AsksIfCompiling), lambda: torch.randn(16, 8), mesh) as autop:
+        autop.optimize_placement()
+    assert not torch.compiler.is_compiling()  # and the flag is restored afterwards
+
+
 # ------------------------------------------------------------------ repeated blocks (repeat.py)
 def test_deep_stack_is_planned_from_a_shallow_trace_and_applied_to_every_block(tmp_path):
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))

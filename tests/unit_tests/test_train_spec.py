@@ -32,3 +32,47 @@ def test_register_custom_spec_and_reject_duplicates():
     assert "my_llama" in registered_names()
     with pytest.raises(ValueError, match="already registered"):
         register_train_spec(spec)
+
+
+def _preflight(*args: str, block_transformers: bool = False):
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules['transformers'] = None; " if block_transformers else ""
+    code = block + "import sys; from torchtitan.preflight import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, "--world-size", "4", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+HF_SPEC = ["--model.name", "hf_auto_parallel", "--model.flavor", "./tests/assets/hf_llama_debug"]
+
+
+def test_hf_spec_without_transformers_says_how_to_install():
+    res = _preflight(*HF_SPEC, block_transformers=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.splitlines() == [
+        "error: --model.name hf_auto_parallel needs the transformers package: "
+        "pip install -e '.[hf]' (or: pip install transformers)"]
+
+
+def test_hf_spec_preflight_accepts_the_shipped_config():
+    pytest.importorskip("transformers")
+    res = _preflight(*HF_SPEC)
+    assert res.returncode == 0, res.stderr
+
+
+def test_hf_spec_unreadable_config_is_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": ')
+    res = _preflight("--model.name", "hf_auto_parallel", "--model.flavor", str(tmp_path))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"error: --model.flavor: cannot read {tmp_path / 'config.json'}")
+
+
+def test_hf_spec_rejects_a_model_without_causal_lm(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text('{"model_type": "t5", "vocab_size": 4000}')
+    res = _preflight("--model.name", "hf_auto_parallel", "--model.flavor", str(tmp_path))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "describes a 't5' model, which transformers has no causal-LM class for" in res.stderr

@@ -26,8 +26,8 @@ import torch.fx as fx
 from torch.fx import traceback as fx_traceback
 import torch.nn as nn
 from torch._functorch._aot_autograd import fx_utils
-from torch._export.utils import _compiling_state_context
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.compiler import _compile_session_context
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
@@ -166,9 +166,11 @@ def trace_joint(
 
     with contextlib.ExitStack() as stack, route_attention():
         stack.enter_context(fx_traceback.preserve_node_meta())
-        # model code that asks "am I being compiled/exported?" (transformers' mask helpers skip
-        # data-dependent checks then) gets the answer torch.export's own tracer gives
-        stack.enter_context(_compiling_state_context())
+        # model code that asks "am I being compiled?" gets yes, as under torch.compile, so
+        # data-dependent checks (transformers' mask helpers) take their traced branch.  Not
+        # "exporting": the plan is lowered per input shape anyway, and export's caution (an
+        # explicit causal mask instead of SDPA's is_causal) would cost the fused attention
+        stack.enter_context(_compile_session_context())
         stack.enter_context(_annotating(notes))
         try:
             joint = aot_export_joint_with_descriptors(stack, traced_mod, args)

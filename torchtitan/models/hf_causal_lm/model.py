@@ -63,6 +63,13 @@ class HFModelArgs(BaseModelArgs):
         except (ValueError, OSError, json.JSONDecodeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserInputError(f"--model.flavor: cannot read {path}: {first}") from None
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise UserInputError(
+                f"--model.flavor: {path} describes a {config.model_type!r} model, which "
+                "transformers has no causal-LM class for (AutoModelForCausalLM)"
+            )
         if tokenizer.vocab_size > config.vocab_size:
             raise UserInputError(
                 f"--model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
