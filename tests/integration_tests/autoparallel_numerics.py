@@ -19,7 +19,8 @@ raise the same PlannerError on every rank.
 Model `attention` checks the planner's attention op on DTensors split by batch and by heads.
 `AP_LLAMA_LAYERS=6` checks the full-depth debug model (default 2 layers, to keep CI short).
 Models `hf_llama`, `hf_qwen2`, `hf_mistral`, `hf_gpt2`, `hf_bert` are tiny `transformers`
-models with their own init (hf_models.py).  `AP_VERBOSE=1` prints every step's errors.
+models with their own init (hf_models.py); `hf:<model_type>` is any other causal LM of
+transformers, shrunk the same way.  `AP_VERBOSE=1` prints every step's errors.
 Prints one line per check and `ALL OK` at the end; exits non-zero on the first failure.
 """
 
@@ -53,7 +54,9 @@ MESHES = {"dp4": ((4,), ("dp",)), "tp4": ((4,), ("tp",)), "dp2tp2": ((2, 2), ("d
 
 def models():
     b, s = 4, 16
-    return {
+    families = {name: _hf_entry(name, b, s) for name in sys.argv[1].split(",")
+                if name.startswith("hf:")} if len(sys.argv) > 1 else {}
+    return {**families,
         "llama": (lambda: tiny_llama(n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s),
                   lambda g: (torch.randint(0, 256, (b, s), generator=g),),
                   lambda g: torch.randint(0, 256, (b, s), generator=g), "ce"),
@@ -69,11 +72,14 @@ def models():
         "indexing": (lambda: Indexing(), lambda g: (torch.randn(b, 8, 32, generator=g),),
                      lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         # Hugging Face transformers models with their own init (hf_models.py)
-        **{name: (lambda name=name: hf_models.build(name),
-                  lambda g: (torch.randint(0, hf_models.VOCAB, (b, s), generator=g),),
-                  lambda g: torch.randint(0, hf_models.VOCAB, (b, s), generator=g), "ce")
-           for name in hf_models.NAMES},
+        **{name: _hf_entry(name, b, s) for name in hf_models.NAMES},
     }
+
+
+def _hf_entry(name, b, s):
+    return (lambda: hf_models.build(name),
+            lambda g: (torch.randint(0, hf_models.VOCAB, (b, s), generator=g),),
+            lambda g: torch.randint(0, hf_models.VOCAB, (b, s), generator=g), "ce")
 
 
 def logits(out):

@@ -131,6 +131,10 @@ class GraphRunner:
             if n.target in casts and n.args and n.args[0] in self.param_of
             and set(n.kwargs) <= {"dtype"}}
         self.buffer_of = {n: f for f, n in tg.buffers.items()}
+        # tensors the model's forward creates from Python values (`torch.tensor([-2])`) are
+        # attributes of the traced graph: the same on every rank, so replicated
+        self.constants = {n: getattr(tg.gm, n.target) for n in tg.gm.graph.nodes
+                          if n.op == "get_attr" and isinstance(getattr(tg.gm, n.target), torch.Tensor)}
         # drop each value as soon as nothing later reads it (as autograd frees what it no
         # longer needs): otherwise every forward and backward value lives until the step ends
         outputs = set(tg.outputs)
@@ -262,6 +266,12 @@ class GraphRunner:
             device = device or x.device
         return env, device
 
+    def constant_values(self, device) -> dict[fx.Node, DTensor]:
+        """The graph's constant tensors as replicated DTensors on `device`."""
+        rep = tuple(Replicate() for _ in self.mesh.shape)
+        return {n: DTensor.from_local(c.to(device), self.mesh, rep, run_check=False)
+                for n, c in self.constants.items()}
+
     @torch._dynamo.disable
     def run(self, module: nn.Module, args: tuple) -> Any:
         """Execute the plan on local inputs: as the lowered local graphs (executor.py; after
@@ -276,6 +286,7 @@ class GraphRunner:
             from .executor import run_lowered
 
             return self._finish(run_lowered(self, env, device, self.compile_kwargs))
+        env.update(self.constant_values(device))
         joint = self.backward == "plan" and torch.is_grad_enabled() and any(
             isinstance(env[n], torch.Tensor) and env[n].requires_grad for n in tg.params.values())
         if joint:

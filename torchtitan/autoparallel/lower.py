@@ -69,12 +69,11 @@ def lower_joint(runner, keys: list[fx.Node], placements: list, locals_: list[tor
     param_of, buffer_of = runner.param_of, runner.buffer_of
     grad_fqns = [f for f in tg.params if tg.grads.get(f) is not None]
     nodes = [n for n in tg.gm.graph.nodes if n.op == "call_function"]
-    consts = {n: getattr(tg.gm, n.target) for n in tg.gm.graph.nodes if n.op == "get_attr"}
+    consts = runner.constant_values(device)
 
     def joint(*ls):
         env = {k: _wrap(x, mesh, pl, k.meta["val"]) for k, x, pl in zip(keys, ls, placements)}
-        for n, c in consts.items():
-            env[n] = c
+        env.update(consts)
         for node in nodes:
             runner._exec(node, env, device, param_casts=False)
         outs = [runner._redistribute(env[n], runner.output_pls[i]).to_local()
@@ -85,7 +84,7 @@ def lower_joint(runner, keys: list[fx.Node], placements: list, locals_: list[tor
 
     with torch.no_grad():
         gm = make_fx(joint, tracing_mode="fake")(*locals_)
-    _check_constants(gm, set(map(id, consts.values())))
+    _check_constants(gm, {id(c._local_tensor) for c in consts.values()})
     kinds = [PARAM if k in param_of else BUFFER if k in buffer_of else
              TANGENT if k in tg.tangents else INPUT for k in keys]
     names = [param_of.get(k, buffer_of.get(k)) for k in keys]

@@ -38,6 +38,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import Shard
 
+from . import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
 from . import placements as P
 from .errors import UnsupportedOpError
 from .trace import TracedGraph, is_getitem
@@ -163,6 +164,10 @@ class StrategyBuilder:
                 opts = P.all_placements(val.shape, self.mesh_shape)
                 self.table.nodes[node] = NodeStrategies(
                     node, [], [Strategy((pl,), ()) for pl in opts], roles.get(node, "input"))
+            elif node.op == "get_attr" and isinstance(getattr(tg.gm, node.target, None), torch.Tensor):
+                # a constant the forward made from Python values: the same on every rank
+                rep = tuple(Replicate() for _ in self.mesh_shape)
+                self.table.nodes[node] = NodeStrategies(node, [], [Strategy((rep,), ())])
             elif node.op == "call_function":
                 if is_getitem(node):
                     continue

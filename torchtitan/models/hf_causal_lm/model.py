@@ -2,7 +2,8 @@
 
 `HFModelArgs` reads a config (a folder holding `config.json`, or the file itself; nothing is
 downloaded).  `build_hf_causal_lm(args)` makes the model class the config names
-(`AutoModelForCausalLM`) with SDPA attention and no KV cache, as a subclass whose forward
+(`AutoModelForCausalLM`) with SDPA attention (eager where the class has no SDPA) and no KV
+cache, as a subclass whose forward
 takes the token ids and returns the logits — what the trainer's loss expects — so parameter
 names stay Hugging Face's (checkpoints load back into `transformers`).  `init_weights()` is
 the class's own (`_init_weights` per module, then weight tying).
@@ -105,8 +106,18 @@ def _logits_class(cls: type) -> type:
 
 
 def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:
-    """The config's causal-LM class (on the current default device), logits out."""
+    """The config's causal-LM class (on the current default device), logits out; SDPA
+    attention where the class has it, else its eager attention."""
     transformers = import_transformers()
-    model = transformers.AutoModelForCausalLM.from_config(args.config, attn_implementation="sdpa")
+    auto = transformers.AutoModelForCausalLM
+    try:
+        model = auto.from_config(args.config, attn_implementation="sdpa")
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        model = auto.from_config(args.config, attn_implementation="eager")
+    # a tensor some model code creates with an explicit device (diffllama's `torch.normal`
+    # lambdas) joins the others; `init_weights` gives it its value later
+    model.to(torch.get_default_device())
     model.__class__ = _logits_class(type(model))
     return model
