@@ -21,6 +21,9 @@ LOG_RANK=${LOG_RANK:-0}
 # gets one clear message instead of one traceback per rank.
 $py -m torchtitan.preflight --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
+# One string-hash seed for every rank: model code that iterates over a set of strings
+# (transformers' Gemma 3 does) would otherwise trace a differently ordered graph per rank.
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 # Each rank gets an equal share of the cores (ranks oversubscribing threads crawl).
 cores=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / NGPU > 0 ? cores / NGPU : 1 ))}

@@ -41,7 +41,7 @@ def run_family(model_type: str, steps: int) -> tuple[str, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            str(REPO / "tests/integration_tests/autoparallel_numerics.py"), f"hf:{model_type}",
            "dp2tp2"]
-    env = dict(os.environ, AP_STEPS=str(steps), OMP_NUM_THREADS="1",
+    env = dict(os.environ, AP_STEPS=str(steps), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)

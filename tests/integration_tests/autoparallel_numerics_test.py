@@ -29,7 +29,7 @@ def _torchrun(*args: str, timeout: int = 900, env: dict | None = None,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            os.path.join(HERE, script), *args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **(env or {}))
+               PYTHONHASHSEED="0", **(env or {}))  # one hash seed for all ranks, as run_train.sh
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     out = res.stdout
     if res.returncode != 0 or "ALL OK" not in out:

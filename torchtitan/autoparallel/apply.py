@@ -88,7 +88,11 @@ class GraphRunner:
                  reshard_after_forward: bool | str = True, bucket: bool = True,
                  units: list[str] | None = None):
         if plan.graph_fingerprint and plan.graph_fingerprint != graph_fingerprint(tg.gm):
-            raise PlannerError("plan was made for a different traced graph (fingerprint mismatch)")
+            raise PlannerError(
+                "plan was made for a different traced graph (fingerprint mismatch); if this "
+                "happens on some ranks of one job, the model's forward traced differently on "
+                "them, e.g. by iterating over a set of strings, whose order differs per process: "
+                "set PYTHONHASHSEED to one value on every rank (run_train.sh sets 0)")
         if list(plan.mesh_shape) != list(mesh.shape):
             raise PlannerError(f"plan is for mesh {plan.mesh_shape}, got mesh {list(mesh.shape)}")
         if grad_reduction not in ("mean", "sum"):

@@ -88,6 +88,7 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
     full_env["OMP_NUM_THREADS"] = "1"
     full_env.setdefault("HF_DATASETS_OFFLINE", "1")
     full_env.setdefault("HF_HUB_OFFLINE", "1")
+    full_env.setdefault("PYTHONHASHSEED", "0")  # as run_train.sh: the same on every rank
     full_env.update(env or {})
     trainer = ["-m", "torchtitan.train"]
     if inductor_cache is not None:
