@@ -239,13 +239,13 @@ def check_attention_rules(mesh_name: str) -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v, grad = (torch.randn(4, 4, 16, 8, generator=g) for _ in range(4))
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = torch.ops.titan.sdpa(*ref_in, True, None)
+    ref = torch.ops.titan.sdpa(*ref_in, None, True, None)
     ref.backward(grad)
     splits = [(Shard(1),), (Shard(0),)] if len(shape) == 1 else \
         [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Shard(1))]
     for pl in splits:
         ins = [distribute_tensor(t, mesh, pl).requires_grad_() for t in (q, k, v)]
-        out = torch.ops.titan.sdpa(*ins, True, None)
+        out = torch.ops.titan.sdpa(*ins, None, True, None)
         out.backward(distribute_tensor(grad, mesh, pl))
         tag = ",".join(str(p) for p in pl)
         same = out.placements == pl and all(t.grad.placements == pl for t in ins)

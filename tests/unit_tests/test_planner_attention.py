@@ -28,57 +28,67 @@ def fake_pg():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("causal, q_len", [(True, 16), (False, 16), (False, 12)])
-def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len):
+@pytest.mark.parametrize("causal, q_len, masked", [(True, 16, False), (False, 16, False),
+                                                   (False, 12, False), (False, 16, True)])
+def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len, masked):
     torch.manual_seed(0)
     q = torch.randn(2, 4, q_len, 8, requires_grad=True)
     k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(2))
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    # a per-sample mask (two packed documents in sample 1), as transformers builds it
+    keep = torch.ones(2, 1, q_len, 16, dtype=torch.bool).tril()
+    keep[1, :, 8:, :8] = False
+    bool_mask = keep if masked else None
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if masked else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, is_causal=causal)
     g = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
-    out = sdpa(q2, k2, v2, causal, None)
+    out = sdpa(q2, k2, v2, mask, causal, None)
     grads = torch.autograd.grad(out, (q2, k2, v2), g)
     # the same fused CPU kernels as the unplanned model: bitwise equal
     assert torch.equal(out, ref)
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)
     # the device-independent backward (used off CPU) agrees to float32 rounding
-    for a, b in zip(softmax_attention_backward(g, q.detach(), k.detach(), v.detach(), causal, None),
-                    ref_grads):
+    for a, b in zip(softmax_attention_backward(g, q.detach(), k.detach(), v.detach(), mask, causal,
+                                               None), ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 class Attn(nn.Module):
-    def __init__(self, masked: bool = False):
+    def __init__(self, masked: bool = False, gqa: bool = False):
         super().__init__()
         self.qkv = nn.Linear(32, 96, bias=False)
-        self.masked = masked
+        self.masked, self.gqa = masked, gqa
 
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = (t.view(b, s, 4, 8).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        if self.gqa:  # two key/value heads for four query heads
+            k, v = k[:, :2], v[:, :2]
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.masked else None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked,
+                                             enable_gqa=self.gqa)
         return out.transpose(1, 2).reshape(b, s, d).sum()
 
 
-def _targets(masked: bool) -> set:
+def _targets(**kw) -> set:
     with torch.device("meta"):
-        model = Attn(masked)
+        model = Attn(**kw)
     tg = trace_joint(model, lambda: torch.randn(2, 8, 32))
     return {n.target for n in tg.gm.graph.nodes if n.op == "call_function"}
 
 
-def test_sdpa_is_traced_as_one_op_each_way():
-    targets = _targets(masked=False)
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_is_traced_as_one_op_each_way(masked):
+    targets = _targets(masked=masked)
     assert torch.ops.titan.sdpa.default in targets
     assert torch.ops.titan.sdpa_backward.default in targets
     assert torch.ops.aten.bmm.default not in targets  # no [batch*heads] flattening
 
 
-def test_sdpa_with_a_mask_keeps_the_math_decomposition():
-    targets = _targets(masked=True)
+def test_sdpa_with_grouped_heads_keeps_the_math_decomposition():
+    targets = _targets(gqa=True)
     assert torch.ops.titan.sdpa.default not in targets
     assert torch.ops.aten.bmm.default in targets
 

@@ -6,8 +6,9 @@ heads on another, that flattened dim is a `_StridedShard` the strategies drop, s
 (Megatron) attention could not be planned, and the `seq x seq` probabilities were saved for
 backward.
 
-While tracing, `route_attention()` sends every SDPA call without mask, dropout or grouped
-heads to `torch.ops.titan.sdpa` (forward) and `torch.ops.titan.sdpa_backward`, so the joint
+While tracing, `route_attention()` sends every SDPA call without dropout or grouped heads —
+with or without a mask (a boolean one becomes additive, as SDPA makes it; transformers' decoders
+pass one while traced) — to `torch.ops.titan.sdpa` (forward) and `torch.ops.titan.sdpa_backward`, so the joint
 graph holds attention as two nodes.  Their sharding rules (registered with DTensor, so the
 same rules serve planning and execution) split batch or heads on any mesh dim; the backward
 recomputes the forward from q, k, v (saved activations are those of a flash kernel: q, k, v).
@@ -35,22 +36,28 @@ _aten = torch.ops.aten
 
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
-def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]) -> Tensor:
-    """Attention over [batch, heads, seq, head_dim]; output contiguous."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale).contiguous()
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool,
+         scale: Optional[float]) -> Tensor:
+    """Attention over [batch, heads, seq, head_dim]; `mask` (or None) is added to the scores
+    (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]); output contiguous."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          scale=scale).contiguous()
 
 
 @sdpa.register_fake
-def _(q, k, v, is_causal, scale):
+def _(q, k, v, mask, is_causal, scale):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                               mask: Optional[Tensor], is_causal: bool,
                                scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention w.r.t. q, k, v from the textbook formulas (probabilities
     recomputed in float32), for any device; contiguous."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * s
+    if mask is not None:
+        scores = scores + mask.float()
     if is_causal:
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -65,28 +72,30 @@ def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
 
 
 @torch.library.custom_op("titan::sdpa_backward", mutates_args=())
-def sdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def sdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                  is_causal: bool, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sdpa` w.r.t. q, k, v, recomputing the forward; outputs contiguous."""
-    return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
+    return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
 
 
 @sdpa_backward.register_kernel("cpu")
-def _(grad_out, q, k, v, is_causal, scale):
+def _(grad_out, q, k, v, mask, is_causal, scale):
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # the fused CPU kernel's one limit here
-        return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
     return tuple(g.contiguous() for g in grads)
 
 
 @sdpa_backward.register_kernel("cuda")
-def _(grad_out, q, k, v, is_causal, scale):
-    # 16-bit with equal head dims: recompute with the flash kernel, then its backward (no
-    # seq x seq tensor); anything else takes the textbook gradient
-    if q.dtype not in (torch.float16, torch.bfloat16) or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        return softmax_attention_backward(grad_out, q, k, v, is_causal, scale)
+def _(grad_out, q, k, v, mask, is_causal, scale):
+    # 16-bit with equal head dims and no mask: recompute with the flash kernel, then its
+    # backward (no seq x seq tensor); anything else takes the textbook gradient
+    if q.dtype not in (torch.float16, torch.bfloat16) or mask is not None \
+            or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _mask = \
         _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
     grads = _aten._scaled_dot_product_flash_attention_backward(
@@ -96,41 +105,46 @@ def _(grad_out, q, k, v, is_causal, scale):
 
 
 @sdpa_backward.register_fake
-def _(grad_out, q, k, v, is_causal, scale):
+def _(grad_out, q, k, v, mask, is_causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
-    ctx.save_for_backward(q, k, v)
+    q, k, v, mask, is_causal, scale = inputs
+    ctx.save_for_backward(q, k, v, mask)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
 def _backward(ctx, grad_out):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = sdpa_backward(grad_out, q, k, v, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, mask = ctx.saved_tensors
+    dq, dk, dv = sdpa_backward(grad_out, q, k, v, mask, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None
 
 
 sdpa.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ---- sharding: every tensor split alike on batch (dim 0) or heads (dim 1), or all replicated
-def _split_alike(n_out: int, n_tensor_in: int) -> list:
+# ---- sharding: every tensor split alike on batch (dim 0) or heads (dim 1), or all replicated;
+# the mask follows where it has that dim and is replicated where it broadcasts (size 1)
+def _split_alike(n_out: int, n_tensor_in: int, mask) -> list:
     rules = []
     for p in (Replicate(), Shard(0), Shard(1)):
-        rules.append(([p] * n_out, [p] * n_tensor_in + [None, None]))
+        if mask is None:
+            mask_pl = None
+        else:
+            mask_pl = p if isinstance(p, Replicate) or mask.shape[p.dim] > 1 else Replicate()
+        rules.append(([p] * n_out, [p] * n_tensor_in + [mask_pl, None, None]))
     return rules
 
 
 @register_sharding(torch.ops.titan.sdpa.default)
-def _sdpa_sharding(q, k, v, is_causal, scale):
-    return _split_alike(1, 3)
+def _sdpa_sharding(q, k, v, mask, is_causal, scale):
+    return _split_alike(1, 3, mask)
 
 
 @register_sharding(torch.ops.titan.sdpa_backward.default)
-def _sdpa_backward_sharding(grad_out, q, k, v, is_causal, scale):
-    return _split_alike(3, 4)
+def _sdpa_backward_sharding(grad_out, q, k, v, mask, is_causal, scale):
+    return _split_alike(3, 4, mask)
 
 
 # ---- FLOPs for the cost model: 2 matmuls forward; backward recomputes them and adds 4
@@ -157,11 +171,31 @@ def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 def _routable(a: dict) -> bool:
-    q, k, v = a["q"], a["k"], a["v"]
-    return (a["attn_mask"] is None and a["dropout_p"] == 0.0 and not a["enable_gqa"]
+    q, k, v, mask = a["q"], a["k"], a["v"], a["attn_mask"]
+    return (a["dropout_p"] == 0.0 and not a["enable_gqa"]
             and all(isinstance(t, Tensor) and t.ndim == 4 for t in (q, k, v))
             and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-            and q.dtype == k.dtype == v.dtype)
+            and q.dtype == k.dtype == v.dtype
+            and (mask is None or _routable_mask(mask, q, k)))
+
+
+def _routable_mask(mask, q: Tensor, k: Tensor) -> bool:
+    """A bool or q-dtype mask over [[batch or 1,] [heads or 1,] q_seq, k_seq]."""
+    if not (isinstance(mask, Tensor) and 2 <= mask.ndim <= 4 and mask.dtype in (torch.bool, q.dtype)):
+        return False
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    return (shape[0] in (1, q.shape[0]) and shape[1] in (1, q.shape[1])
+            and shape[2:] == (q.shape[2], k.shape[2]))
+
+
+def _additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The mask as 4-D scores to add: a boolean one (True = attend) as SDPA derives it."""
+    if mask is None:
+        return None
+    mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 class _RouteAttention(TorchFunctionMode):
@@ -170,7 +204,8 @@ class _RouteAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             a = _sdpa_args(*args, **kwargs)
             if _routable(a):
-                return sdpa(a["q"], a["k"], a["v"], bool(a["is_causal"]), a["scale"])
+                mask = _additive(a["attn_mask"], a["q"].dtype)
+                return sdpa(a["q"], a["k"], a["v"], mask, bool(a["is_causal"]), a["scale"])
         return func(*args, **kwargs)
 
 
