@@ -177,3 +177,24 @@ class Indexing(nn.Module):
         gathered = torch.gather(h, 1, idx)
         scattered = torch.zeros_like(h).scatter_add(1, idx, h * 0.5)
         return self.head(permuted + gathered + scattered) + pooled.mean(1, keepdim=True)
+
+
+class Elementwise(nn.Module):
+    """Ops DTensor has no rule for (softplus' backward, floor_divide) and a constant the
+    forward makes from Python numbers (`torch.tensor([...])`, a graph attribute)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, dim)
+
+    def init_weights(self) -> None:
+        for m in (self.proj, self.head):
+            nn.init.normal_(m.weight, std=0.1)
+            nn.init.uniform_(m.bias, -0.1, 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.softplus(self.proj(x))
+        pos = torch.floor_divide(torch.arange(x.shape[1], device=x.device), 2)
+        h = h + pos[None, :, None].to(h.dtype) * torch.tensor([0.25, 0.5], device=x.device).sum()
+        return self.head(h)

@@ -44,7 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import hf_models  # noqa: E402
-from autoparallel_models import GPT2Block, Indexing, Mixer, MLPStack, TiedLM, tiny_llama  # noqa: E402
+from autoparallel_models import (  # noqa: E402
+    Elementwise, GPT2Block, Indexing, Mixer, MLPStack, TiedLM, tiny_llama,
+)
 
 from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
 
@@ -71,6 +73,8 @@ def models():
                   lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         "indexing": (lambda: Indexing(), lambda g: (torch.randn(b, 8, 32, generator=g),),
                      lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
+        "elementwise": (lambda: Elementwise(), lambda g: (torch.randn(b, 8, 32, generator=g),),
+                        lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
         # Hugging Face transformers models with their own init (hf_models.py)
         **{name: _hf_entry(name, b, s) for name in hf_models.NAMES},
     }

@@ -43,9 +43,9 @@ def test_llama_all_meshes_match_single_process():
     assert "OK   llama/dp2tp2 grads x5" in out
 
 
-def test_mlp_gpt2_tied_mixer_indexing_on_all_meshes():
-    out = _torchrun("mlp,gpt2,tied,mixer,indexing", "dp4,tp4,dp2tp2")
-    for model in ("mlp", "gpt2", "tied", "mixer", "indexing"):
+def test_mlp_gpt2_tied_mixer_indexing_elementwise_on_all_meshes():
+    out = _torchrun("mlp,gpt2,tied,mixer,indexing,elementwise", "dp4,tp4,dp2tp2")
+    for model in ("mlp", "gpt2", "tied", "mixer", "indexing", "elementwise"):
         assert out.count(f"OK   {model}/") == 3 * CHECKS, model
 
 
