@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import hf_models  # noqa: E402
+from rank_checks import check, run_checks  # noqa: E402
 from autoparallel_models import (  # noqa: E402
     Elementwise, GPT2Block, Indexing, Mixer, MLPStack, TiedLM, tiny_llama,
 )
@@ -116,13 +116,6 @@ def local_slice(t: torch.Tensor, mesh, pl) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, pl)
     idx = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     return t[idx]
-
-
-def check(name: str, ok: bool, detail: str = "", quiet: bool = False) -> None:
-    if dist.get_rank() == 0 and (not ok or not quiet):
-        print(f"{'OK  ' if ok else 'FAIL'} {name} {detail}", flush=True)
-    if not ok:
-        raise AssertionError(f"{name} {detail}")
 
 
 COMPILE = os.environ.get("AP_COMPILE") == "1"
@@ -304,32 +297,19 @@ def check_errors(mesh_name: str) -> None:
 
 
 def main():
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     sel_models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["llama", "mlp", "gpt2"]
     sel_meshes = sys.argv[2].split(",") if len(sys.argv) > 2 else list(MESHES)
     bf16 = len(sys.argv) > 3 and sys.argv[3] == "bf16"
-    rc = 0
-    try:
-        for mname in sel_models:
-            for mesh_name in sel_meshes:
-                if mname == "attention":
-                    check_attention_rules(mesh_name)
-                elif mname == "errors":
-                    check_errors(mesh_name)
-                else:
-                    run_one(mname, mesh_name, world, bf16)
-        if dist.get_rank() == 0:
-            print("ALL OK", flush=True)
-    except Exception:
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if rc == 0:
-        dist.barrier()
-    os._exit(rc)
+    for mname in sel_models:
+        for mesh_name in sel_meshes:
+            if mname == "attention":
+                check_attention_rules(mesh_name)
+            elif mname == "errors":
+                check_errors(mesh_name)
+            else:
+                run_one(mname, mesh_name, world, bf16)
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(main)

@@ -15,15 +15,16 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from torchtitan.distributed.sharded_init import exact_sharded_init
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_checks import check, run_checks  # noqa: E402
 
 
 class Holder(nn.Module):
@@ -81,13 +82,6 @@ def sharded_holder(mesh, pl) -> Holder:
     return m
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    if dist.get_rank() == 0:
-        print(f"{'OK  ' if ok else 'FAIL'} {name} {detail}", flush=True)
-    if not ok:
-        raise AssertionError(f"{name} {detail}")
-
-
 def run_cases() -> None:
     for mesh_shape in ((4,), (2, 2)):
         mesh = init_device_mesh("cpu", mesh_shape)
@@ -123,21 +117,9 @@ def run_refusal() -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rc = 0
-    try:
-        run_cases()
-        run_refusal()
-        if dist.get_rank() == 0:
-            print("ALL OK", flush=True)
-    except Exception:
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    if rc == 0:
-        dist.barrier()
-    os._exit(rc)
+    run_cases()
+    run_refusal()
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(main)

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -27,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from autoparallel_models import Indexing  # noqa: E402
+from rank_checks import check, run_checks  # noqa: E402
 
 from torchtitan.autoparallel.strategies import _tensor_input_nodes, build_strategies  # noqa: E402
 from torchtitan.autoparallel.trace import trace_joint  # noqa: E402
@@ -98,55 +97,36 @@ def check_node(node: fx.Node, ns, env, mesh) -> tuple[int, int, list[str]]:
     return checked, sharded, bad
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    if dist.get_rank() == 0:
-        print(f"{'OK  ' if ok else 'FAIL'} {name} {detail}", flush=True)
-    if not ok:
-        raise AssertionError(f"{name} {detail}")
-
-
 def main() -> None:
-    dist.init_process_group("gloo")
-    rc = 0
-    try:
-        with torch.device("meta"):
-            meta = Indexing()
-        model = Indexing()
-        torch.manual_seed(0)
-        model.init_weights()
-        x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
-        tg = trace_joint(meta, lambda: torch.zeros(4, 8, 32))
-        env = node_values(tg, model, x)
-        for shape in ((4,), (2, 2)):
-            mesh = init_device_mesh("cpu", shape)
-            table = build_strategies(tg, mesh)
-            per_op: dict[str, list[int]] = {}
-            for node in tg.gm.graph.nodes:
-                if node.op != "call_function" or node.target not in INDEXING_OPS:
-                    continue
-                checked, sharded, bad = check_node(node, table.nodes[node], env, mesh)
-                tag = f"strategies/{'x'.join(map(str, shape))} {node.target} at {node.name}"
-                check(tag, not bad, "; ".join(bad[:2]))
-                counts = per_op.setdefault(str(node.target), [0, 0])
-                counts[0] += checked
-                counts[1] += sharded
-            for op, (checked, sharded) in sorted(per_op.items()):
-                check(f"strategies/{'x'.join(map(str, shape))} {op}", sharded > 0,
-                      f"{checked} strategies equal one process, {sharded} with a sharded input")
-            ops = set(per_op)
-            check(f"strategies/{'x'.join(map(str, shape))} covers index, index_put, gather, scatter_add",
-                  {"aten.index.Tensor", "aten.index_put.default", "aten.gather.default",
-                   "aten.scatter_add.default"} <= ops, str(sorted(ops)))
-        if dist.get_rank() == 0:
-            print("ALL OK", flush=True)
-    except Exception:
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    if rc == 0:
-        dist.barrier()
-    os._exit(rc)
+    with torch.device("meta"):
+        meta = Indexing()
+    model = Indexing()
+    torch.manual_seed(0)
+    model.init_weights()
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    tg = trace_joint(meta, lambda: torch.zeros(4, 8, 32))
+    env = node_values(tg, model, x)
+    for shape in ((4,), (2, 2)):
+        mesh = init_device_mesh("cpu", shape)
+        table = build_strategies(tg, mesh)
+        per_op: dict[str, list[int]] = {}
+        for node in tg.gm.graph.nodes:
+            if node.op != "call_function" or node.target not in INDEXING_OPS:
+                continue
+            checked, sharded, bad = check_node(node, table.nodes[node], env, mesh)
+            tag = f"strategies/{'x'.join(map(str, shape))} {node.target} at {node.name}"
+            check(tag, not bad, "; ".join(bad[:2]))
+            counts = per_op.setdefault(str(node.target), [0, 0])
+            counts[0] += checked
+            counts[1] += sharded
+        for op, (checked, sharded) in sorted(per_op.items()):
+            check(f"strategies/{'x'.join(map(str, shape))} {op}", sharded > 0,
+                  f"{checked} strategies equal one process, {sharded} with a sharded input")
+        ops = set(per_op)
+        check(f"strategies/{'x'.join(map(str, shape))} covers index, index_put, gather, scatter_add",
+              {"aten.index.Tensor", "aten.index_put.default", "aten.gather.default",
+               "aten.scatter_add.default"} <= ops, str(sorted(ops)))
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(main)
