@@ -28,7 +28,7 @@ from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
-from torchtitan.distributed.sharded_init import exact_sharded_init
+from torchtitan.distributed.sharded_init import every_value_initialised, exact_sharded_init
 from torchtitan.errors import UserInputError
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
@@ -125,7 +125,7 @@ class Trainer:
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
         model = spec.parallelize_fn(model, self.parallel_dims, job_config)
         model.to_empty(device=self.device)
-        with torch.no_grad(), exact_sharded_init(model):
+        with torch.no_grad(), exact_sharded_init(model), every_value_initialised(model):
             model.init_weights()
         model.train()
         self.model = model

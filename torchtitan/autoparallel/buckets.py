@@ -225,9 +225,17 @@ class _GraphBuckets:
                 w = g.call_function(WAIT, (coll,))
                 rows = g.call_function(_aten.view.default, (w, [n, sum(numels)]))
                 parts = g.call_function(_aten.split_with_sizes.default, (rows, numels, 1))
-                outs = [g.call_function(_aten.reshape.default, (
-                    g.call_function(operator.getitem, (parts, i)), [n * s[0], *s[1:]]))
-                        for i, s in enumerate(shapes)]
+                outs = []
+                for i, s in enumerate(shapes):
+                    out = g.call_function(_aten.reshape.default, (
+                        g.call_function(operator.getitem, (parts, i)), [n * s[0], *s[1:]]))
+                    if s[0] == 1 and n > 1 and len(shapes) > 1:
+                        # merging ranks with a size-1 leading dim is no copy: the result would
+                        # be a strided column of the buffer, where the plain gather was
+                        # contiguous (and a later `view` relies on that)
+                        out = g.call_function(_aten.clone.default, (out,),
+                                              {"memory_format": torch.contiguous_format})
+                    outs.append(out)
             else:
                 n = extra[1] if target is RS else 1
                 rows = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
