@@ -76,8 +76,9 @@ _TINY_IF_PRESENT = dict(rotary_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v
 
 def _shrink(cfg) -> None:
     present = {k: v for k, v in _TINY_IF_PRESENT.items() if getattr(cfg, k, None) is not None}
-    if "qk_rope_head_dim" in present:  # latent attention: the rotary part is the head dim
-        present["head_dim"] = present["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in present:  # latent attention: the rotary part is the head dim,
+        present["head_dim"] = present["qk_rope_head_dim"]  # and keys/values have every head
+        present["num_key_value_heads"] = _TINY["num_attention_heads"]
     for key, value in {**_TINY, **present}.items():
         try:
             setattr(cfg, key, value)
