@@ -27,7 +27,7 @@ def _preflight(*args, world_size=4):
     (["--training.steps", "abc"], "--training.steps: expected an integer, got 'abc'"),
     (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "2"],
      "multiply to 6 (replicate 1 × shard 2 × tp 3) but the world size is 4"),
-    (["--model.name", "llama9"], "unknown model 'llama9'; registered: llama3, llama3_auto_parallel"),
+    (["--model.name", "llama9"], "unknown model 'llama9'; registered: hf_auto_parallel, llama3, llama3_auto_parallel"),
     (["--model.flavor", "7B"], "unknown flavor '7B' for llama3"),
     (["--model.tokenizer_path", "/nonexistent/tok"], "/nonexistent/tok"),
     (["--training.dataset_path", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
