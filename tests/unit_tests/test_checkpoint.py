@@ -1,10 +1,14 @@
-"""Single-process checks of the checkpoint manager: discovery, atomicity, purge, safe loading."""
+"""Single-process checks of the checkpoint manager: discovery, atomicity, purge, safe loading,
+checksums, and the learning rate after a resume."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components import checkpoint as ckpt
-from torchtitan.components.checkpoint import CheckpointManager, SafeLoadPlanner, SafeReader
+from torchtitan.components.checkpoint import CheckpointManager, SafeLoadPlanner, SafeReader, verify_checkpoint
+from torchtitan.components.lr_scheduler import build_lr_schedulers, lr_factor
+from torchtitan.components.optimizer import build_optimizers
 from torchtitan.errors import UserInputError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -182,6 +188,7 @@ def test_async_save_completes_on_close(tmp_path):
     with torch.no_grad():
         model.weight.add_(1.0)  # training goes on while the save is written
     m.close()
+    assert verify_checkpoint(tmp_path / "checkpoint" / "step-5", strict=True) is None  # has a manifest
     m2, model2, _, train2 = manager(tmp_path, seed=1)
     assert m2.load() and train2.value == 5 and torch.equal(model2.weight, expected)
 
@@ -211,3 +218,183 @@ def test_non_tensor_values_load_weights_only(tmp_path):
         torch.save(Evil(), buf)
         buf.seek(0)
         planner.load_bytes(None, buf)
+
+
+# ---- checksums ---------------------------------------------------------------------------
+
+
+def saved_5_and_10(tmp_path: Path) -> Path:
+    """Full checkpoints step-5 (train_state 5) and step-10 (10); returns step-10's folder."""
+    m, _, _, train = manager(tmp_path)
+    for step in (5, 10):
+        train.value = step
+        m.save(step)
+    return tmp_path / "checkpoint" / "step-10"
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    path.write_bytes(bytes(data))
+
+
+def flip_weight_bytes(shard: Path) -> None:
+    """Flip the stored float bytes of the model's `weight`: still a loadable file."""
+    stored = {"weight": torch.empty(3, 4)}
+    dcp.load(stored, checkpoint_id=shard.parent, no_dist=True)
+    raw = stored["weight"].numpy().tobytes()
+    data = bytearray(shard.read_bytes())
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0
+    data[at:at + len(raw)] = bytes(b ^ 0xFF for b in raw)
+    shard.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "bit_flip": ("__0_0.distcp", flip_weight_bytes, "__0_0.distcp checksum mismatch"),
+    "truncated": ("__0_0.distcp", truncate, r"__0_0.distcp size \d+ != \d+ \(truncated\?\)"),
+    "missing_shard": ("__0_0.distcp", Path.unlink, "__0_0.distcp missing"),
+    "missing_manifest": ("checksums.json", Path.unlink, "checksums.json missing"),
+    "missing_metadata": (".metadata", Path.unlink, r"\.metadata missing"),
+    "metadata_bit_flip": (".metadata", flip_bytes, r"\.metadata checksum mismatch"),
+}
+
+
+def test_manifest_lists_every_file_by_content(tmp_path):
+    folder = saved_5_and_10(tmp_path)
+    manifest = json.loads((folder / "checksums.json").read_text())
+    names = sorted(os.listdir(folder))
+    assert names == [".metadata", "__0_0.distcp", "checksums.json"]  # no temporary left behind
+    assert manifest["hash"] == "blake2b-256"
+    assert manifest["files"] == {
+        name: {"size": (folder / name).stat().st_size,
+               "blake2b": hashlib.blake2b((folder / name).read_bytes(), digest_size=32).hexdigest()}
+        for name in names if name != "checksums.json"
+    }
+    assert verify_checkpoint(folder, strict=True) is None
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_checkpoint_falls_back_with_one_warning(kind, tmp_path, caplog):
+    name, corrupt, reason = CORRUPTIONS[kind]
+    folder = saved_5_and_10(tmp_path)
+    corrupt(folder / name)
+    assert re.fullmatch(reason + ".*", verify_checkpoint(folder) or "")  # no torch.distributed needed
+    m2, _, _, train2 = manager(tmp_path)
+    with caplog.at_level("WARNING", logger=ckpt.logger.name):
+        assert m2.load()
+    assert train2.value == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == ckpt.logger.name]
+    assert len(warnings) == 1, warnings
+    assert re.fullmatch(rf"checkpoint {re.escape(str(folder))}: {reason}.*; falling back to step-5", warnings[0])
+    assert folder.is_dir()  # reported, not deleted: the folder is the user's to inspect
+
+
+def test_flipped_weight_bytes_would_load_silently_without_checksums(tmp_path, monkeypatch):
+    folder = saved_5_and_10(tmp_path)
+    _, model, _, _ = manager(tmp_path)  # the same initial weights as the saved ones
+    flip_weight_bytes(folder / "__0_0.distcp")
+    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda path, strict=False: None)
+    m2, model2, _, train2 = manager(tmp_path, seed=1)
+    assert m2.load() and train2.value == 10  # no error at all
+    assert not torch.equal(model2.weight, model.weight)  # but the weights are not the saved ones
+
+
+def test_no_intact_checkpoint_starts_without_one(tmp_path, caplog):
+    folder = saved_5_and_10(tmp_path)
+    for step in (5, 10):
+        flip_bytes(folder.parent / f"step-{step}" / "__0_0.distcp")
+    m2, _, _, train2 = manager(tmp_path)
+    with caplog.at_level("WARNING", logger=ckpt.logger.name):
+        assert not m2.load()
+    assert train2.value == 0
+    assert caplog.text.count("no intact checkpoint left to resume from") == 2
+
+
+def test_load_step_of_corrupt_checkpoint_is_user_error(tmp_path):
+    folder = saved_5_and_10(tmp_path)
+    truncate(folder / "__0_0.distcp")
+    with pytest.raises(UserInputError) as info:
+        manager(tmp_path)[0].load(step=10)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        rf"--checkpoint.load_step 10: checkpoint {re.escape(str(folder))} is corrupt: __0_0.distcp size \d+ "
+        r"!= \d+ \(truncated\?\); pick another step \(found: 5\) or delete that folder", message)
+    m2, _, _, train2 = manager(tmp_path)
+    assert m2.load(step=5) and train2.value == 5  # the other step is fine
+
+
+def test_corrupt_initial_load_path_is_user_error(tmp_path):
+    folder = saved_5_and_10(tmp_path)
+    flip_bytes(folder / "__0_0.distcp")
+    with pytest.raises(UserInputError, match="initial_load_path .*corrupt checkpoint: __0_0.distcp checksum"):
+        manager(tmp_path / "other", initial_load_path=str(folder))[0].load()
+
+
+def test_checkpoint_from_before_checksums_loads_unverified(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(ckpt, "write_manifest", lambda folder: None)
+    monkeypatch.setattr(ckpt._Writer, "storage_meta", ckpt.FileSystemWriter.storage_meta)
+    folder = saved_5_and_10(tmp_path)
+    assert not (folder / "checksums.json").exists()
+    assert "written before checkpoints carried checksums" in verify_checkpoint(folder, strict=True)
+    m2, _, _, train2 = manager(tmp_path)
+    with caplog.at_level("WARNING", logger=ckpt.logger.name):
+        assert m2.load()
+    assert train2.value == 10
+    assert f"checkpoint {folder}: no checksums.json" in caplog.text and "loading it unverified" in caplog.text
+
+
+# ---- the learning rate after a resume --------------------------------------------------------
+
+
+def trainer(tmp_path: Path, steps: int, warmup: int, lr: float):
+    """A tiny model with the real AdamW, schedule (linear decay to 0) and checkpointer."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(steps=steps),
+        lr_scheduler=SimpleNamespace(warmup_steps=warmup, decay_ratio=None, decay_type="linear",
+                                     min_lr_factor=0.0),
+        optimizer=SimpleNamespace(name="AdamW", lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                                  implementation="foreach"),
+    )
+    opts = build_optimizers([model], cfg)
+    sched = build_lr_schedulers(opts, cfg)
+    train = Counter()
+    m = CheckpointManager(Loader(), [model], opts, sched, {"train_state": train}, job(tmp_path, interval=100))
+    return m, model, opts, sched, train
+
+
+def train_step(model, opts, sched) -> None:
+    opts.zero_grad()
+    model(torch.ones(2, 4)).square().sum().backward()
+    opts.step()
+    sched.step()
+
+
+@pytest.mark.parametrize("warmup,lr", [(1, 1.0), (6, 2.0)], ids=["more_steps", "new_warmup_and_peak"])
+def test_resume_with_more_steps_runs_the_new_schedule(warmup, lr, tmp_path):
+    m, model, opts, sched, train = trainer(tmp_path, steps=4, warmup=1, lr=1.0)
+    for step in range(1, 5):
+        train_step(model, opts, sched)
+        train.value = step
+        m.save(step, last_step=step == 4)
+    assert opts.param_groups[0]["lr"] == 0.0  # the finished run decayed to 0
+
+    m2, model2, opts2, sched2, train2 = trainer(tmp_path, steps=8, warmup=warmup, lr=lr)
+    assert m2.load() and train2.value == 4
+    expected = lr * lr_factor(5, warmup_steps=warmup, total_steps=8, decay_ratio=None, decay_type="linear",
+                              min_lr_factor=0.0)
+    assert expected > 0
+    assert sched2.get_last_lr() == pytest.approx(expected)  # what the trainer logs for step 5
+    assert opts2.param_groups[0]["lr"] == pytest.approx(expected)  # what step 5 uses
+    assert opts2.param_groups[0]["initial_lr"] == lr
+    before = model2.weight.detach().clone()
+    train_step(model2, opts2, sched2)
+    assert not torch.equal(model2.weight, before)  # at lr 0 AdamW would leave them as they were

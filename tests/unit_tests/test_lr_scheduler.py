@@ -75,3 +75,21 @@ def test_state_dict_resume_continues_schedule():
     sched2 = build_lr_schedulers(opts2, cfg)
     sched2.load_state_dict(state)
     assert opts2.param_groups[0]["lr"] == pytest.approx(full[4])
+
+
+def test_load_state_dict_after_optimizer_state_applies_this_jobs_schedule():
+    """A finished run (lr 0) resumed with more steps and a new peak lr: the schedule,
+    restored after the optimizer, replaces the saved lr and peak in every param group."""
+    _, opts, sched = _lrs(_config(steps=10))
+    assert opts.param_groups[0]["lr"] == 0.0
+    cfg = _config(steps=20)
+    cfg.optimizer.lr = 2.0
+    model = torch.nn.Linear(2, 2)
+    opts2 = build_optimizers([model], cfg)
+    sched2 = build_lr_schedulers(opts2, cfg)
+    opts2.load_state_dict(opts.state_dict())  # brings lr 0.0 and initial_lr 1.0
+    sched2.load_state_dict(sched.state_dict())
+    expected = 2.0 * lr_factor(11, warmup_steps=2, total_steps=20, decay_ratio=None, decay_type="linear",
+                               min_lr_factor=0.0)
+    group = opts2.param_groups[0]
+    assert (group["lr"], group["initial_lr"], sched2.get_last_lr()) == pytest.approx((expected, 2.0, expected))

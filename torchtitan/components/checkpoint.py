@@ -15,6 +15,19 @@ every rank wrote its files and the coordinator wrote `.metadata`, and rank 0 the
 renames the folder to `step-N`. So a `step-N` folder is complete by construction; a
 `.tmp-` folder is an interrupted save, reported and deleted when the next job starts.
 
+Integrity: before that rename, rank 0 writes `checksums.json` into the folder: every
+file's size and BLAKE2b-256 digest (`{"format": 1, "hash": "blake2b-256", "files":
+{name: {"size": n, "blake2b": hex}}}`), itself via a temporary name, fsync and rename,
+so it is part of the atomic commit. Rank 0 hashes files that every rank wrote: this
+assumes a filesystem shared by all ranks (as the rename already does). `.metadata`
+records that the checkpoint carries a manifest (a mark in DCP's `StorageMeta.modules`).
+Before a load, rank 0 checks sizes, then digests (`verify_checkpoint`) and broadcasts
+the verdict; a checkpoint that does not match (flipped bytes, truncated or missing
+file, manifest missing though `.metadata` says there is one) is skipped with a warning
+naming the file, and the newest intact one loads. Checkpoints written before manifests
+existed have no mark: they load unverified, with a warning. Hashing reads every byte
+once: about a second per GB, on rank 0, at each save and at each load.
+
 Loading never unpickles arbitrary objects: the `.metadata` file goes through an
 allowlisting unpickler and non-tensor values through `torch.load(weights_only=True)`,
 so non-tensor state must be plain Python values (int, float, str, bytes, lists, dicts).
@@ -22,7 +35,9 @@ so non-tensor state must be plain Python values (int, float, str, bytes, lists, 
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import pickle
 import re
@@ -73,7 +88,11 @@ def is_complete(path: Path) -> bool:
 
 
 def scan_folder(folder: Path) -> tuple[dict[int, Path], list[Path]]:
-    """({step: path} of complete `step-N` checkpoints, [incomplete leftovers]) in `folder`."""
+    """({step: path} of complete `step-N` checkpoints, [incomplete leftovers]) in `folder`.
+
+    A `step-N` folder with a manifest was committed, so it counts as complete even
+    without `.metadata`: verification then reports it, and it is not deleted.
+    """
     complete: dict[int, Path] = {}
     partial: list[Path] = []
     if not folder.is_dir():
@@ -82,7 +101,7 @@ def scan_folder(folder: Path) -> tuple[dict[int, Path], list[Path]]:
         if not entry.is_dir():
             continue
         match = _STEP_DIR.fullmatch(entry.name)
-        if match and is_complete(entry):
+        if match and (is_complete(entry) or (entry / MANIFEST).is_file()):
             complete[int(match.group(1))] = entry
         elif match or _TMP_DIR.fullmatch(entry.name):
             partial.append(entry)
@@ -98,6 +117,102 @@ def purge_old(folder: Path, keep_latest_k: int) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+# ---------------------------------------------------------------------------------------
+# Checksums
+# ---------------------------------------------------------------------------------------
+
+MANIFEST = "checksums.json"
+_MANIFEST_FORMAT = {"format": 1, "hash": "blake2b-256"}
+# In `.metadata`'s StorageMeta.modules (unused by DCP's file storage): "has a manifest".
+_MANIFEST_MARK = f"torchtitan:{MANIFEST}"
+
+
+def _digest(path: Path) -> str:
+    """BLAKE2b-256 of the file, read in 8 MiB chunks (hashlib.file_digest is 3.11+)."""
+    digest = hashlib.blake2b(digest_size=32)
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(folder: Path) -> dict[str, Any]:
+    """Size and digest of every file under `folder` except the manifest itself."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name not in (MANIFEST, MANIFEST + ".tmp"):
+            files[name] = {"size": path.stat().st_size, "blake2b": _digest(path)}
+    return {**_MANIFEST_FORMAT, "files": files}
+
+
+def write_manifest(folder: Path) -> None:
+    """Write `folder`/checksums.json durably: temporary name, fsync, rename, fsync."""
+    tmp = folder / (MANIFEST + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(build_manifest(folder), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(folder / MANIFEST)
+    _fsync_dir(folder)
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's {file: {"size", "blake2b"}}; ValueError if it is not one of ours."""
+    manifest = json.loads(path.read_text())
+    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in _MANIFEST_FORMAT.items()):
+        raise ValueError(f"not a {_MANIFEST_FORMAT} manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("blake2b"), str)
+        for e in files.values()
+    ):
+        raise ValueError("malformed file entries")
+    return files
+
+
+def verify_checkpoint(path: Path, strict: bool = False) -> str | None:
+    """None if the checkpoint folder `path` matches its manifest, else why not (one line).
+
+    Needs no torch.distributed. Sizes are checked before any file is hashed. Files not in
+    the manifest are ignored (DCP reads only those `.metadata` names). A checkpoint from
+    before manifests existed is accepted with a warning, or refused if `strict`.
+    """
+    if not (path / MANIFEST).is_file():
+        return _without_manifest(path, strict)
+    try:
+        files = _read_manifest(path / MANIFEST)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            hint = "truncated?" if size < entry["size"] else "appended to?"
+            return f"{name} size {size} != {entry['size']} ({hint})"
+    for name, entry in files.items():
+        if _digest(path / name) != entry["blake2b"]:
+            return f"{name} checksum mismatch (corrupted bytes)"
+    return None
+
+
+def _without_manifest(path: Path, strict: bool) -> str | None:
+    """Verdict on a folder without a manifest: lost if `.metadata` says it had one."""
+    try:
+        storage_meta = SafeReader(path).read_metadata().storage_meta
+    except Exception as e:  # noqa: BLE001 - any failure to read is the verdict
+        return f".metadata unreadable ({_reason(e)})"
+    if _MANIFEST_MARK in (getattr(storage_meta, "modules", None) or []):
+        return f"{MANIFEST} missing"
+    old = f"no {MANIFEST} (written before checkpoints carried checksums)"
+    if strict:
+        return old
+    logger.warning("checkpoint %s: %s; loading it unverified", path, old)
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,7 +273,7 @@ def read_keys(path: Path) -> set[str]:
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer plus the kill-during-save test hook (see KILL_ENV)."""
+    """DCP's file writer plus the manifest mark and the kill-during-save test hook (KILL_ENV)."""
 
     def __init__(self, path: Path, kill: bool):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
@@ -171,6 +286,12 @@ class _Writer(FileSystemWriter):
             logger.warning("%s: killing this rank in the middle of a save", KILL_ENV)
             os.kill(os.getpid(), signal.SIGKILL)
         return future
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Marks `.metadata`: this checkpoint carries a manifest (see `verify_checkpoint`)."""
+        meta = super().storage_meta() or StorageMeta()
+        meta.modules = [*meta.modules, _MANIFEST_MARK]
+        return meta
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,6 +312,7 @@ class CheckpointManager:
         self.enable = cfg.enable
         self.folder = Path(job_config.job.dump_folder) / cfg.folder
         self.model_parts = model_parts
+        # Restored in this order: the schedule after the optimizer (see `_restore`).
         self.states: dict[str, Stateful] = {
             "optimizer": optimizers, "lr_scheduler": lr_schedulers, "dataloader": dataloader, **states,
         }
@@ -245,6 +367,9 @@ class CheckpointManager:
                     f"--checkpoint.initial_load_path {path}: not a complete DCP checkpoint folder "
                     "(no such folder, or no .metadata in it)"
                 )
+            reason = _broadcast(verify_checkpoint(root) if self.rank == 0 else None)
+            if reason:
+                raise UserInputError(f"--checkpoint.initial_load_path {path}: corrupt checkpoint: {reason}")
             model_only = self.cfg.initial_load_model_only
             self._load(root, model_only=model_only,
                        what="initial_load_path" + (" (model weights only)" if model_only else ""))
@@ -265,30 +390,54 @@ class CheckpointManager:
             logger.warning("ignoring and deleting incomplete checkpoint %s (an interrupted save)", path)
             shutil.rmtree(path, ignore_errors=True)
         if step >= 0:
-            if step not in complete:
-                return (f"--checkpoint.load_step {step}: no complete checkpoint step-{step} in "
-                        f"{self.folder} (found: {', '.join(map(str, complete)) or 'none'})")
-            if not self._is_full(read_keys(complete[step])):
-                return (f"--checkpoint.load_step {step}: {complete[step]} is a model-only export and "
-                        "cannot resume training; load it with --checkpoint.initial_load_path instead")
-            return step
+            return self._check_load_step(step, complete)
+        skipped: list[tuple[Path, str]] = []
+        chosen = None
         for candidate in reversed(complete):
+            path = complete[candidate]
             try:
-                keys = read_keys(complete[candidate])
+                keys = read_keys(path)
             except Exception as e:  # noqa: BLE001 - reported and skipped
-                logger.warning("ignoring unreadable checkpoint %s: %s", complete[candidate], e)
+                # The manifest, if any, says more precisely what is wrong with .metadata.
+                skipped.append((path, verify_checkpoint(path) or f".metadata unreadable ({_reason(e)})"))
                 continue
-            if self._is_full(keys):
-                return candidate
-            logger.info("not resuming from %s: model-only export", complete[candidate])
-        return None
+            if not self._is_full(keys):  # before hashing: an export is skipped anyway
+                logger.info("not resuming from %s: model-only export", path)
+                continue
+            reason = verify_checkpoint(path)
+            if reason is None:
+                chosen = candidate
+                break
+            skipped.append((path, reason))
+        then = f"falling back to step-{chosen}" if chosen is not None else "no intact checkpoint left to resume from"
+        for path, reason in skipped:
+            logger.warning("checkpoint %s: %s; %s", path, reason, then)
+        return chosen
+
+    def _check_load_step(self, step: int, complete: dict[int, Path]) -> int | str:
+        """`step` if `--checkpoint.load_step step` can resume training, else why not."""
+        flag = f"--checkpoint.load_step {step}"
+        if step not in complete:
+            return (f"{flag}: no complete checkpoint step-{step} in "
+                    f"{self.folder} (found: {', '.join(map(str, complete)) or 'none'})")
+        path = complete[step]
+        reason = verify_checkpoint(path)
+        if reason:
+            others = ", ".join(str(s) for s in complete if s != step) or "none"
+            return (f"{flag}: checkpoint {path} is corrupt: {reason}; pick another step "
+                    f"(found: {others}) or delete that folder")
+        if not self._is_full(read_keys(path)):
+            return (f"{flag}: {path} is a model-only export and "
+                    "cannot resume training; load it with --checkpoint.initial_load_path instead")
+        return step
 
     def _load(self, path: Path, model_only: bool, what: str) -> None:
         start = time.monotonic()
         model_sd = self._model_state_dict()
-        state_dict: dict[str, Any] = dict(model_sd)
-        if not model_only:
-            state_dict.update(self.states)
+        states = {} if model_only else self.states
+        # Plain state dicts, not the Stateful objects: DCP would hand them their state in
+        # sorted key order, and `_restore` needs ours.
+        state_dict: dict[str, Any] = {**model_sd, **{k: v.state_dict() for k, v in states.items()}}
         try:
             dcp.load(state_dict, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as e:  # a bad file is the user's to fix
@@ -296,6 +445,7 @@ class CheckpointManager:
             raise UserInputError(f"cannot load {what} from {path}: {reason}") from e
         for part in self.model_parts:
             set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+        _restore(states, state_dict)
         logger.info("loaded %s from %s in %.1f s", what, path, time.monotonic() - start)
 
     # ---- saving ------------------------------------------------------------------------
@@ -336,6 +486,9 @@ class CheckpointManager:
         """Rank 0 makes a finished save visible as `step-N` and purges old ones."""
         if self.rank != 0:
             return
+        hashing = time.monotonic()
+        write_manifest(tmp)
+        hashing = time.monotonic() - hashing
         if final.exists():  # e.g. resumed from an earlier load_step: replace the old one
             old = final.with_name(f"{final.name}.tmp-replaced-{self._run_id}")
             final.rename(old)
@@ -343,13 +496,24 @@ class CheckpointManager:
         tmp.rename(final)
         _fsync_dir(final.parent)
         kind = "model-only checkpoint" if model_only else "checkpoint"
-        logger.info("saved %s %s in %.1f s", kind, final, time.monotonic() - start)
+        logger.info("saved %s %s in %.1f s (checksums %.1f s)", kind, final, time.monotonic() - start, hashing)
         for path in purge_old(self.folder, self.cfg.keep_latest_k):
             logger.info("deleted old checkpoint %s (keep_latest_k %d)", path, self.cfg.keep_latest_k)
 
     def close(self) -> None:
         """Finish an asynchronous save still in flight."""
         self._wait_pending()
+
+
+def _restore(states: dict[str, Stateful], loaded: dict[str, Any]) -> None:
+    """Hand each component its loaded state, in the order of `states`.
+
+    The optimizer's state dict carries its param_groups' lr as saved; the schedule,
+    restored after it, sets the lr of the (possibly changed) schedule at the resumed
+    step. In the other order (DCP's, by name) the first resumed step ran at the saved lr.
+    """
+    for name, state in states.items():
+        state.load_state_dict(loaded[name])
 
 
 def _broadcast(value: Any) -> Any:

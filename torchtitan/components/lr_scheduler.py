@@ -73,13 +73,24 @@ class LRSchedulersContainer(Stateful):
         return {"last_epoch": self.schedulers[0].last_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the saved step with this job's schedule (steps, warmup, peak lr).
+
+        Sets the optimizers' lr, so it must run after their own state is loaded: theirs
+        carries the lr as saved (see checkpoint.py's `_restore`).
+        """
         for scheduler in self.schedulers:
             scheduler.last_epoch = state_dict["last_epoch"]
+        self.apply()
+
+    def apply(self) -> None:
+        """Set every param group's lr to the schedule's value at the current step."""
+        for scheduler in self.schedulers:
             scheduler._last_lr = [  # keep get_last_lr() consistent after a resume
-                base * scheduler.lr_lambdas[0](scheduler.last_epoch)
-                for base in scheduler.base_lrs
+                base * lam(scheduler.last_epoch)
+                for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas)
             ]
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+            for group, base, lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr):
+                group["initial_lr"] = base  # a loaded optimizer state brings the saved peak
                 group["lr"] = lr
 
 
