@@ -1,8 +1,13 @@
-"""Tests for dataset loading, packing, rank splitting, resumption and the corpus builder."""
+"""Tests for dataset loading, packing, rank splitting, resumption, bad input, the preflight
+check and the corpus builder."""
 
 import importlib.util
 import itertools
 import json
+import logging
+import socket
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +20,8 @@ import torch
 from torchtitan.components.errors import AssetError
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.datasets import DATASETS, DatasetConfig, HuggingFaceDataset, build_hf_dataloader
-from torchtitan.datasets.hf_datasets import load_local_dataset
+from torchtitan.datasets import hf_datasets
+from torchtitan.datasets.hf_datasets import check_local_dataset, load_local_dataset
 from torchtitan.errors import UserInputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -224,3 +230,207 @@ def test_corpus_builder_is_deterministic(tmp_path):
     assert "second line of prose" in texts[1] and "noqa" not in texts[1]
     assert "Return one.\n\nThe text after the example is kept." in texts[1]
     assert build_corpus.build_corpus(tmp_path, max_bytes=len(first) - 1).count(b"\n") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Bad local files: one-line errors naming file and line, the same from training and check
+# ---------------------------------------------------------------------------------------
+
+
+def _error(path) -> str:
+    """The message training raises for ``path``; the preflight check must raise the same."""
+    with pytest.raises(AssetError) as info:
+        load_local_dataset(str(path))
+    message = str(info.value)
+    with pytest.raises(AssetError) as checked:
+        check_local_dataset(str(path))
+    assert str(checked.value) == message
+    assert "\n" not in message and isinstance(info.value, UserInputError)
+    return message
+
+
+def _lines_file(tmp_path, name, *lines) -> Path:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json"])
+def test_malformed_json_line_names_file_and_line(tmp_path, name):
+    path = _lines_file(tmp_path, name, '{"text": "a"}', "", '{"text": "b",}', '{"text": "c"}')
+    message = _error(path)
+    assert message.startswith(f"{path}:3: not valid JSON (") and message.endswith("fix or remove that line")
+
+
+def test_malformed_json_list_names_line(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[\n  {"text": "a"},\n  {"text": "b"}\n  {"text": "c"}\n]\n')
+    assert _error(path).startswith(f"{path}:4: not valid JSON (Expecting ',' delimiter")
+
+
+@pytest.mark.parametrize(
+    "name, data, where",
+    [
+        ("d.txt", "first paragraph\n\ncaf\xe9\n".encode("latin-1"),
+         ":3: not UTF-8 text (byte 0xe9 at byte offset 20)"),
+        ("d.jsonl", b"\xff\xfe\x00\x01garbage\n", ":1: not UTF-8 text (byte 0xff at byte offset 0)"),
+        ("d.json", b'[{"text": "\xe9"}]', ":1: not UTF-8 text (byte 0xe9 at byte offset 11)"),
+    ],
+)
+def test_not_utf8_names_file_offset_and_fix(tmp_path, name, data, where):
+    path = tmp_path / name
+    path.write_bytes(data)
+    message = _error(path)
+    assert message.startswith(f"{path}{where}") and "convert the file to UTF-8" in message
+
+
+@pytest.mark.parametrize(
+    "record, problem",
+    [
+        ('{"text": 12345}', '"text" must be a string, got int'),
+        ('{"text": null}', '"text" must be a string, got null'),
+        ('{"body": "x", "id": 3}', 'the record has no "text" field (its keys: body, id)'),
+        ('["text"]', 'expected a JSON object with a "text" field, got list'),
+    ],
+)
+def test_bad_record_names_file_and_line(tmp_path, record, problem):
+    path = _lines_file(tmp_path, "d.jsonl", '{"text": "fine"}', record)
+    assert _error(path).startswith(f"{path}:2: {problem}")
+
+
+def test_bad_record_in_json_list_names_record(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"text": "a"}, {"text": 7}]))
+    assert _error(path).startswith(f'{path}: record 2: "text" must be a string, got int')
+
+
+@pytest.mark.parametrize(
+    "table, problem",
+    [
+        ({"body": ["x"]}, 'the parquet file needs a "text" column (its columns: body)'),
+        ({"text": [1, 2]}, 'the "text" column must hold strings, got int64'),
+        ({"text": ["a", None]}, 'row 1 (counting from 0): "text" is null'),
+    ],
+)
+def test_bad_parquet_names_file(tmp_path, table, problem):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table(table), path)
+    assert _error(path).startswith(f"{path}: {problem}")
+
+
+def test_garbage_parquet_names_file(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"this is not parquet at all")
+    assert _error(path).startswith(f"{path}: not a readable parquet file (")
+
+
+@pytest.mark.parametrize("files", [{"d.jsonl": ""}, {"d.txt": "\n  \n\t\n"}, {"a.jsonl": "\n", "b.txt": ""}])
+def test_no_text_names_the_files(tmp_path, files):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    path = tmp_path / next(iter(files)) if len(files) == 1 else tmp_path
+    message = _error(path)
+    assert "holds no text" in message and "--training.dataset_path" in message
+    assert all(str(tmp_path / name) in message for name in files)
+
+
+def test_utf8_bom_and_crlf_are_accepted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps({"text": t}).encode() + b"\r\n" for t in DOCS))
+    assert load_local_dataset(str(path))["text"] == DOCS
+
+
+# ---------------------------------------------------------------------------------------
+# The preflight check
+# ---------------------------------------------------------------------------------------
+
+
+def test_check_reads_small_data_whole(tmp_path):
+    (tmp_path / "a.txt").write_text("\n\n".join(DOCS[:4]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[4:]))
+    pq.write_table(pa.table({"text": ["one more"]}), tmp_path / "c.parquet")
+    assert check_local_dataset(str(tmp_path)) == "checked 3 files, 13 documents (all)"
+
+
+def test_check_samples_the_start_of_every_file(tmp_path):
+    line = json.dumps({"text": "x" * 1000}) + "\n"
+    big = tmp_path / "a.jsonl"
+    big.write_text(line * 200 + '{"text": 1}\n')  # a bad record far past the sample
+    (tmp_path / "b.txt").write_text("fine\n")
+    summary = check_local_dataset(str(tmp_path), max_bytes=20_000)
+    # 10 kB a file: 10 documents of a.jsonl (about 1 kB each) and all of b.txt
+    assert summary == "checked 2 files, 11 documents (9.9 KiB of 197.9 KiB sampled: the start of each file)"
+    with pytest.raises(AssetError, match=f"{big}:201: "):
+        load_local_dataset(str(tmp_path))  # training reads it all
+    (tmp_path / "b.txt").write_bytes(b"\xff")  # a bad head is found however small the share
+    with pytest.raises(AssetError, match=f"{tmp_path / 'b.txt'}:1: not UTF-8"):
+        check_local_dataset(str(tmp_path), max_bytes=20_000)
+
+
+def test_check_missing_path(tmp_path):
+    with pytest.raises(AssetError, match="does not exist.*--training.dataset_path"):
+        check_local_dataset(str(tmp_path / "absent.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------
+# Re-looping and the hub
+# ---------------------------------------------------------------------------------------
+
+
+def test_reloop_is_warned_once(tmp_path, tokenizer, caplog):
+    path = _lines_file(tmp_path, "d.jsonl", json.dumps({"text": "tiny"}))
+    dataset = HuggingFaceDataset("titan_corpus", str(path), tokenizer, seq_len=4, infinite=True)
+    with caplog.at_level(logging.DEBUG, logger="torchtitan.datasets.hf_datasets"):
+        list(itertools.islice(iter(dataset), 20))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "re-loop" in r.message]
+    assert len(warnings) == 1 and dataset.reloops > 3
+    assert f"re-looped {dataset.reloops} times" in caplog.records[-1].message
+
+
+def _online(monkeypatch, endpoint: str):
+    """Offline mode off, no proxies, ``HF_ENDPOINT`` = ``endpoint``; load_dataset must not run."""
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+        monkeypatch.delenv(key.upper(), raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the hub was not probed first"))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_hub_fails_fast(monkeypatch, tokenizer):
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    _online(monkeypatch, endpoint)
+    start = time.monotonic()
+    with pytest.raises(AssetError) as info:
+        HuggingFaceDataset("c4", None, tokenizer)
+    assert time.monotonic() - start < 1
+    message = str(info.value)
+    assert f"cannot connect to {endpoint}" in message and "no hub access" in message and "\n" not in message
+    assert "--training.dataset titan_corpus" in message
+
+
+def test_hub_probe_is_bounded_when_the_lookup_hangs(monkeypatch, tokenizer):
+    _online(monkeypatch, "https://hub.invalid")
+    release = threading.Event()
+
+    def hanging_lookup(*args, **kwargs):
+        release.wait(5)
+        raise OSError("released")
+
+    monkeypatch.setattr(hf_datasets, "_HUB_PROBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(socket, "create_connection", hanging_lookup)
+    start = time.monotonic()
+    try:
+        with pytest.raises(AssetError, match=r"no connection to https://hub.invalid .* within 0.2 s"):
+            HuggingFaceDataset("c4_validation", None, tokenizer)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 1

@@ -100,3 +100,31 @@ def test_training_is_deterministic():
     assert first == second
     vocab = json.loads(first)["model"]["vocab"]
     assert vocab["<|begin_of_text|>"] == 0 and vocab["<|end_of_text|>"] == 1
+
+
+@pytest.mark.parametrize(
+    "content",
+    [bytes(range(256)), b"", b'{"not": "a tokenizer"}', b"[1, 2, 3]", b'{"model": {"type": "BPE"}}'],
+    ids=["binary", "empty", "other_json", "list", "no_vocab"],
+)
+def test_garbage_tokenizer_json_is_one_clear_error(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(AssetError) as info:
+        HuggingFaceTokenizer(str(tmp_path))
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json (")
+    assert "--model.tokenizer_path" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "config, problem",
+    [("{bad", "not valid JSON"), ('["<s>"]', "expected a JSON object, got list"),
+     ('{"eos_token": 7}', '"eos_token" must be a token string, got int')],
+)
+def test_bad_tokenizer_config_names_the_file(tmp_path, config, problem):
+    shutil.copy(TOKENIZER_DIR / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    with pytest.raises(AssetError) as info:
+        HuggingFaceTokenizer(str(tmp_path))
+    assert str(info.value).startswith(f"{tmp_path / 'tokenizer_config.json'}: {problem}")
+    assert "fix or delete it" in str(info.value) and "\n" not in str(info.value)

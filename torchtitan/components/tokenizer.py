@@ -35,10 +35,40 @@ def _locate(tokenizer_path: str) -> Path:
     )
 
 
-def _token_name(entry) -> str | None:
-    """A token name from tokenizer_config.json: a plain string or an AddedToken dict."""
+def _load_backend(file: Path) -> Tokenizer:
+    """The tokenizer in ``file``; a file that is not one is an ``AssetError``."""
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the backend raises a bare Exception for every kind of bad file
+        reason = " ".join(str(e).split())[:200]
+        raise AssetError(
+            f"{file} is not a Hugging Face tokenizer.json ({reason}); set --model.tokenizer_path "
+            "to a folder containing a valid tokenizer.json; the repo ships ./tests/assets/tokenizer"
+        ) from e
+
+
+def _load_config(file: Path) -> dict:
+    """The JSON object in ``file`` (``tokenizer_config.json``), or ``{}`` when there is none."""
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AssetError(f"{file}: not valid JSON ({e}); fix or delete it (it only names BOS/EOS)") from e
+    if not isinstance(config, dict):
+        raise AssetError(f"{file}: expected a JSON object, got {type(config).__name__}; fix or delete it")
+    return config
+
+
+def _token_name(config: dict, key: str, file: Path) -> str | None:
+    """``config[key]`` from ``file`` (tokenizer_config.json): a string or an AddedToken dict."""
+    entry = config.get(key)
     if isinstance(entry, dict):
-        return entry.get("content")
+        entry = entry.get("content")
+    if entry is not None and not isinstance(entry, str):
+        raise AssetError(
+            f'{file}: "{key}" must be a token string, got {type(entry).__name__}; fix or delete it'
+        )
     return entry
 
 
@@ -55,11 +85,11 @@ class HuggingFaceTokenizer:
     def __init__(self, tokenizer_path: str):
         file = _locate(tokenizer_path)
         self.tokenizer_path = str(file.parent)
-        self._backend = Tokenizer.from_file(str(file))
+        self._backend = _load_backend(file)
         config_file = file.parent / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        self.bos_token = _token_name(config.get("bos_token")) or _DEFAULT_BOS
-        self.eos_token = _token_name(config.get("eos_token")) or _DEFAULT_EOS
+        config = _load_config(config_file)
+        self.bos_token = _token_name(config, "bos_token", config_file) or _DEFAULT_BOS
+        self.eos_token = _token_name(config, "eos_token", config_file) or _DEFAULT_EOS
         self._bos_id = self._special_id(self.bos_token)
         self._eos_id = self._special_id(self.eos_token)
 

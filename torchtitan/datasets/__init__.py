@@ -6,6 +6,8 @@ from torchtitan.datasets.hf_datasets import (
     HuggingFaceDataset,
     ParallelAwareDataloader,
     build_hf_dataloader,
+    check_dataset,
+    check_local_dataset,
 )
 
 __all__ = [
@@ -14,4 +16,6 @@ __all__ = [
     "HuggingFaceDataset",
     "ParallelAwareDataloader",
     "build_hf_dataloader",
+    "check_dataset",
+    "check_local_dataset",
 ]
