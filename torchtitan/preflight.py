@@ -1,34 +1,81 @@
 """Check a job's configuration once, before any rank starts.
 
-`run_train.sh` runs `python -m torchtitan.preflight --world-size N <train args>`: it
-parses the config, checks the mesh degrees against the world size, resolves the model
-name and flavor, loads the tokenizer and opens the dataset, exactly as a rank would.  A
-problem is reported as one `error: ...` line with exit code 2, instead of one traceback
-per rank from torchrun.
+`python -m torchtitan.preflight --world-size N <train args>` (the launcher runs the same
+`check` in-process) parses the config, checks every value range, the mesh degrees
+against the world size, the model spec's own mesh requirements, the tokenizer, the data
+files (parsed, a sample of a huge corpus), the output folders (writable, no file in the
+way) and the checkpoint chosen for loading — what a rank would otherwise trip on.  A
+problem is one `error: ...` line with exit code 2; nothing is written.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 from torchtitan.config import main_parse
+from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.errors import UserInputError
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 
 
-def check(job_config, world_size: int) -> None:
+def check_writable_folder(path: Path, option: str) -> None:
+    """`path` is, or can be created as, a folder this process may write into.
+
+    Nothing is left behind: the nearest existing ancestor is probed with a temporary
+    file that is deleted at once (permission bits alone say nothing for root, and a
+    read-only mount only shows on a write)."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserInputError(
+            f"{option}: {probe} is a file, so the folder {path} cannot be created; "
+            "remove the file or choose another folder")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise UserInputError(
+            f"{option}: cannot write into {probe} ({e.strerror}); "
+            "choose a writable folder") from None
+
+
+def output_folders(job_config) -> list[tuple[Path, str]]:
+    """(folder, option) for everything the run will write."""
+    dump = Path(job_config.job.dump_folder)
+    folders = [(dump, "--job.dump_folder")]
+    if job_config.checkpoint.enable:
+        folders.append((dump / job_config.checkpoint.folder, "--checkpoint.folder"))
+    if job_config.metrics.enable_tensorboard:
+        folders.append((dump / job_config.metrics.save_tb_folder, "--metrics.save_tb_folder"))
+    return folders
+
+
+def check(job_config, world_size: int) -> str:
+    """Raise `UserInputError` for the first problem; else a line saying what was checked."""
+    from torchtitan.datasets import check_dataset
+    from torchtitan.distributed.inductor_comms import inductor_settings
     from torchtitan.train import grad_accumulation_steps, resolve_model_args
 
-    from torchtitan.distributed.inductor_comms import inductor_settings
-
+    validate_job_config(job_config)
+    import_custom_module(job_config.experimental.custom_import)
     dims = ParallelDims.from_config(job_config.parallelism, world_size)
     inductor_settings(job_config.compile)
     spec = get_train_spec(job_config.model.name)
     tokenizer = spec.build_tokenizer_fn(job_config)
-    resolve_model_args(spec, job_config, tokenizer)
+    model_args = resolve_model_args(spec, job_config, tokenizer)
+    if spec.check_parallelism_fn is not None:
+        spec.check_parallelism_fn(model_args, dims, job_config)
     grad_accumulation_steps(job_config.training, dims.dp_degree)
-    spec.build_dataloader_fn(dims.dp_degree, 0, tokenizer, job_config)
+    data = check_dataset(job_config.training)
+    for folder, option in output_folders(job_config):
+        check_writable_folder(folder, option)
+    return f"preflight: mesh {dims.dp_replicate}x{dims.dp_shard}x{dims.tp} (replicate x shard x tp), data {data}"
 
 
 def main(argv: list[str]) -> None:
@@ -39,7 +86,7 @@ def main(argv: list[str]) -> None:
     world_size = int(argv[i + 1])
     job_config = main_parse(argv[:i] + argv[i + 2:])
     try:
-        check(job_config, world_size)
+        print(check(job_config, world_size))
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import importlib
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.config import JobConfig, main_parse, to_toml
+from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
@@ -32,9 +31,10 @@ from torchtitan.distributed.sharded_init import every_value_initialised, exact_s
 from torchtitan.errors import UserInputError
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
 
 
 def grad_accumulation_steps(training: Any, dp_degree: int) -> int:
@@ -87,8 +87,8 @@ def _use_rank_inductor_cache(rank: int) -> None:
 class Trainer:
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
-        if job_config.experimental.custom_import:
-            importlib.import_module(job_config.experimental.custom_import)
+        validate_job_config(job_config)
+        import_custom_module(job_config.experimental.custom_import)
         if job_config.job.print_config and int(os.environ.get("RANK", "0")) == 0:
             print(to_toml(job_config), flush=True)
 
@@ -114,6 +114,8 @@ class Trainer:
         self.grad_accumulation_steps = grad_accumulation_steps(training, dp_degree)
 
         model_args = resolve_model_args(spec, job_config, self.tokenizer)
+        if spec.check_parallelism_fn is not None:
+            spec.check_parallelism_fn(model_args, self.parallel_dims, job_config)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
@@ -201,8 +203,10 @@ class Trainer:
                 gc.collect(1)
             lr = self.lr_schedulers.get_last_lr()
             counting = self.step == cfg.metrics.count_collectives_step
-            with count_collectives(counting) as counts:
+            with count_collectives(counting) as counts, _timeout_explained(self.step, cfg.comm):
                 loss, max_loss, grad_norm = self.train_step(data_iter)
+            if self.step == 1:  # compiling and planning are done: bound every later wait
+                dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if counting:
                 self.metrics.log_collectives(self.step, counts)
             self.losses.append(loss)
@@ -219,15 +223,41 @@ class Trainer:
         self.metrics.close()
 
 
+class CollectiveTimeoutError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _timeout_explained(step: int, comm: Any):
+    """Name the option behind a collective that timed out once training runs."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo raises a plain RuntimeError, NCCL a DistBackendError
+        if step > 1 and "timed out" in str(e).lower():
+            raise CollectiveTimeoutError(
+                f"step {step}: a collective waited longer than --comm.train_timeout_seconds "
+                f"{comm.train_timeout_seconds}; another rank stalled or died") from e
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     job_config = main_parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         trainer = Trainer(job_config)
         trainer.train()
         trainer.close()
-    except UserInputError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if summary := repeated_warnings_summary():
+            logger.warning(summary)
+    except Exception as e:
+        folder = rank_errors.error_dir()
+        if folder is not None:  # the launcher prints one line for the whole job
+            rank_errors.write_report(e, rank, folder)
+            _exit(2)
+        if not isinstance(e, UserInputError):
+            raise
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         _exit(2)
     # gloo ranks can abort in teardown after all work is done; leave in lockstep, flushed.

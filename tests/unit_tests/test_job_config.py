@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from torchtitan.config import ConfigError, ConfigManager, JobConfig, to_toml  # noqa: E402
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, last_wins, to_toml  # noqa: E402
 from torchtitan.config.job_config import Training  # noqa: E402
 
 
@@ -65,8 +65,18 @@ def test_bool_flags():
         is False
     assert parse("--checkpoint.no-initial-load-model-only").checkpoint.initial_load_model_only \
         is False
-    assert parse("--training.deterministic", "--training.no_deterministic").training \
-        .deterministic is False
+
+
+def test_an_option_given_twice_is_refused_and_last_wins_merges():
+    with pytest.raises(ConfigError, match=r"^--training\.no_deterministic: training\.deterministic "
+                       r"is set twice on the command line \(first by --training\.deterministic\)"):
+        parse("--training.deterministic", "--training.no_deterministic")
+    with pytest.raises(ConfigError, match="training.steps is set twice"):
+        parse("--training.steps", "3", "--training.steps=4")
+    merged = last_wins(["--training.steps", "10", "--training.deterministic", "--job.dump_folder",
+                        "a", "--training.steps=2", "--training.no_deterministic"])
+    assert merged == ["--job.dump_folder", "a", "--training.steps=2", "--training.no_deterministic"]
+    assert parse(*merged).training.steps == 2
 
 
 def test_list_and_none():
@@ -75,7 +85,7 @@ def test_list_and_none():
     assert parse("--compile.components=").compile.components == []
     cfg = parse("--training.seed", "3", "--lr_scheduler.decay_ratio", "0.2")
     assert cfg.training.seed == 3 and cfg.lr_scheduler.decay_ratio == 0.2
-    cfg = parse("--training.seed", "3", "--training.seed", "none")
+    cfg = parse("--training.seed", "none")
     assert cfg.training.seed is None
 
 

@@ -51,6 +51,35 @@ class Plan:
         except (TypeError, json.JSONDecodeError) as e:
             raise PlannerError(f"not a plan: {e}") from None
 
+    def check_applicable(self, param_shapes: dict[str, tuple[int, ...]],
+                         mesh_shape: list[int], mesh_dim_names: list[str]) -> None:
+        """Raise `PlannerError` unless this plan fits these parameters and this mesh: same
+        mesh, every parameter placed, every placement readable and leaving no shard
+        empty (what a plan read from a file must pass before it is applied)."""
+        from .errors import ConstraintError
+        from .placements import is_valid, parse
+
+        if list(self.mesh_shape) != list(mesh_shape) or list(self.mesh_dim_names) != list(mesh_dim_names):
+            raise PlannerError(f"made for mesh {self.mesh_shape} {self.mesh_dim_names}, "
+                               f"not {list(mesh_shape)} {list(mesh_dim_names)}")
+        missing = sorted(set(param_shapes) - set(self.params))
+        if missing or not self.nodes:
+            raise PlannerError(f"places no {missing[0] if missing else 'graph node'}")
+        try:
+            for fqn, text in self.params.items():
+                if fqn not in param_shapes:
+                    raise PlannerError(f"places unknown parameter {fqn}")
+                pl = parse(text)
+                if len(pl) != len(mesh_shape) or not is_valid(param_shapes[fqn], pl, mesh_shape):
+                    raise PlannerError(f"impossible placement {text!r} for {fqn} "
+                                       f"{list(param_shapes[fqn])}")
+            for name, entry in self.nodes.items():
+                for text in [*entry.get("ins", []), *entry.get("out", [])]:
+                    if text and text != "-":  # "-": not a tensor
+                        parse(text)
+        except (ConstraintError, AttributeError, TypeError) as e:
+            raise PlannerError(f"unreadable placement: {e}") from None
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 

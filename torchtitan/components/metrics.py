@@ -5,12 +5,25 @@ from __future__ import annotations
 import os
 import re
 import resource
+import sys
 import time
 from typing import Any
 
 import torch
 
 from torchtitan.tools.logging import logger
+
+# Set by the launcher to "1" when its own console is a terminal: a rank's stderr is a pipe
+# to torchrun even then.
+COLOR_ENV = "TORCHTITAN_COLOR"
+
+
+def console_is_terminal() -> bool:
+    """Whether log lines end up on a terminal (colour codes in a log file are noise)."""
+    if COLOR_ENV in os.environ:
+        return os.environ[COLOR_ENV] == "1"
+    return sys.stderr.isatty()
+
 
 # Dense bf16 peak TFLOP/s per accelerator (vendor datasheets, no sparsity).
 PEAK_TFLOPS = {
@@ -77,7 +90,7 @@ class MetricsProcessor:
         self.ranks_per_sample_stream = ranks_per_sample_stream
         self.peak_flops = peak_tflops(device_type, cfg.cpu_peak_tflops) * 1e12
         self.memory = MemoryMonitor(device_type)
-        self.color = not cfg.disable_color_printing
+        self.color = not cfg.disable_color_printing and console_is_terminal()
         self.is_logging_rank = rank == 0
         self.tokens_since_log = 0
         self.time_last_log = time.perf_counter()

@@ -235,6 +235,7 @@ class ConfigManager:
                 raise ConfigError(f"{where}: {e}") from None
 
     def _apply_cli(self, config: Any, argv: list[str]) -> None:
+        given: dict[str, str] = {}  # dotted key -> the option that set it
         i = 0
         while i < len(argv):
             tok = argv[i]
@@ -264,6 +265,11 @@ class ConfigManager:
             if _is_section(tp):
                 raise ConfigError(f"{opt}: {'.'.join(parents + [key])!r} is a section; "
                                   f"set one of its keys, e.g. {opt}.{next(iter(_fields(tp)))}")
+            dotted = ".".join(parents + [key])
+            if dotted in given:
+                raise ConfigError(f"{opt}: {dotted} is set twice on the command line (first "
+                                  f"by {given[dotted]}); give it once")
+            given[dotted] = opt
             is_bool = _strip_optional(tp)[0] is bool
             has_next = i < len(argv) and not argv[i].startswith("--")
             if negate:
@@ -365,6 +371,24 @@ def to_toml(config: Any) -> str:
 
     emit(config, [])
     return "\n".join(lines) + "\n"
+
+
+def last_wins(argv: list[str]) -> list[str]:
+    """`argv` with every option but its last occurrence dropped, for programs that build
+    a command line from defaults plus overrides (the parser itself refuses an option
+    given twice).  An option is a `--key` token with the values after it; `--s.flag` and
+    `--s.no_flag` count as the same option."""
+    groups: list[tuple[str, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--") or not groups:
+            name = tok[2:].partition("=")[0].replace("-", "_")
+            section, _, key = name.rpartition(".")
+            key = key[3:] if key.startswith("no_") else key
+            groups.append((f"{section}.{key}", [tok]))
+        else:
+            groups[-1][1].append(tok)
+    last = {name: i for i, (name, _) in enumerate(groups)}
+    return [tok for i, (name, toks) in enumerate(groups) if last[name] == i for tok in toks]
 
 
 def main_parse(argv: list[str] | None = None, config_cls: type = JobConfig) -> Any:

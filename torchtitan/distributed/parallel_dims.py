@@ -125,6 +125,27 @@ class ParallelDims:
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled and self.enable_loss_parallel
 
+    def check_tensor_parallel_sizes(self, sizes: dict[str, int], seq_len: int,
+                                    model: str) -> None:
+        """Refuse a tp degree that does not divide the model's split sizes (see
+        `BaseModelArgs.tensor_parallel_sizes`) or the sequence (sequence parallelism)."""
+        if not self.tp_enabled:
+            return
+        sizes = dict(sizes)
+        if not self.loss_parallel_enabled:
+            sizes.pop("vocab_size", None)
+        sizes["training.seq_len"] = seq_len
+        bad = [f"{name} {size}" for name, size in sizes.items() if size % self.tp]
+        if not bad:
+            return
+        fits = [d for d in range(1, self.world_size + 1)
+                if self.world_size % d == 0 and all(s % d == 0 for s in sizes.values())]
+        raise ParallelismConfigError(
+            f"--parallelism.tensor_parallel_degree {self.tp} does not divide "
+            f"{', '.join(bad)} of {model}; use a degree that does "
+            f"({', '.join(map(str, fits))} divide every size and the world size {self.world_size})"
+        )
+
     @property
     def non_data_parallel_size(self) -> int:
         """Ranks that share one sample stream (used to report tokens/s per rank)."""

@@ -37,6 +37,18 @@ def init_distributed(init_timeout_seconds: int) -> int:
     return dist.get_world_size()
 
 
+def set_collective_timeout(seconds: int) -> None:
+    """Let any collective of this rank (default group and every mesh group) wait at most
+    `seconds` before it fails; a stalled or dead peer then ends the job."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
 def set_determinism(seed: int | None, deterministic: bool) -> None:
     """Seed every generator identically on all ranks (all our mesh dims are SPMD).
 

@@ -38,10 +38,27 @@ class TrainSpec:
     build_dataloader_fn: Callable[..., Any]
     build_tokenizer_fn: Callable[..., Any]
     build_loss_fn: Callable[..., Any]
+    check_parallelism_fn: Callable[..., None] | None = None
+    """(model_args, parallel_dims, job_config) -> None: raises `UserInputError` for a mesh
+    `parallelize_fn` cannot apply (e.g. a tp degree that does not divide the heads).  Run
+    before any rank starts (preflight) and again by the trainer; None accepts any mesh."""
 
 
 class UnknownTrainSpecError(UserInputError):
     pass
+
+
+def import_custom_module(name: str) -> None:
+    """Import `--experimental.custom_import` (a module that registers extra specs)."""
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise UserInputError(
+            f"--experimental.custom_import: cannot import {name!r} ({type(e).__name__}: {e}); "
+            "give a module importable from the working directory or PYTHONPATH"
+        ) from None
 
 
 def register_train_spec(spec: TrainSpec) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from torchtitan.config.manager import last_wins
 from torchtitan.errors import UserInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +74,8 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
                  inductor_cache: str | Path | None = None) -> Run:
     """Run `python -m torchtitan.train` on `nproc` ranks with `config_file` + `args`.
 
-    The options are passed exactly as given (no seed or metrics options are added). Each
+    No seed or metrics options are added; an option given more than once (defaults plus
+    overrides) keeps its last value (`last_wins`), as the trainer refuses repeats. Each
     rank gets one OpenMP thread, so results do not depend on the machine's core count;
     `env` entries override the inherited environment. The combined output of all ranks
     is returned and also saved as `{dump_folder}/train.log`.
@@ -97,9 +99,8 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", *trainer,
-        "--job.config_file", str(Path(config_file).resolve()),
-        "--job.dump_folder", str(dump_folder),
-        *args,
+        *last_wins(["--job.config_file", str(Path(config_file).resolve()),
+                    "--job.dump_folder", str(dump_folder), *args]),
     ]
     code, output = launch_and_wait(cmd, full_env, timeout, "loss_compare")
     (dump_folder / LOG_NAME).write_text(output)

@@ -14,5 +14,5 @@ from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 def get_train_spec():
     return dataclasses.replace(
-        _llama3_spec(name="hf_auto_parallel", parallelize_fn=parallelize_hf_auto),
-        model_cls=build_hf_causal_lm, flavors=HFConfigFlavors())
+        _llama3_spec(), name="hf_auto_parallel", parallelize_fn=parallelize_hf_auto,
+        check_parallelism_fn=None, model_cls=build_hf_causal_lm, flavors=HFConfigFlavors())

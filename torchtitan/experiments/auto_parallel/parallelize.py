@@ -123,14 +123,30 @@ def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
+def _usable_cached_plan(autop: AutoParallel, cache: Path) -> str | None:
+    """The cached plan's text, or None (with a warning naming the file) when there is none
+    or it cannot be applied to this model and mesh (truncated, edited, impossible)."""
+    if not cache.exists():
+        return None
+    try:
+        text = cache.read_text()
+        shapes = {fqn: tuple(p.shape) for fqn, p in autop.model.named_parameters()}
+        Plan.from_json(text).check_applicable(shapes, list(autop.mesh.shape),
+                                              list(autop.mesh.mesh_dim_names))
+    except (OSError, UnicodeDecodeError, PlannerError) as e:
+        logger.warning(f"cached plan {cache} is unusable ({e}); planning again and replacing it")
+        return None
+    logger.info(f"reusing cached plan {cache}")
+    return text
+
+
 def _plan_on_rank0(autop: AutoParallel, cache: Path) -> Plan:
     """Rank 0 loads the cached plan or solves; every rank gets the same plan (or the same
     error)."""
 
     def load_or_solve() -> str:
-        if cache.exists():
-            logger.info(f"reusing cached plan {cache}")
-            return cache.read_text()
+        if (text := _usable_cached_plan(autop, cache)) is not None:
+            return text
         text = autop.optimize_placement().to_json()
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")

@@ -7,19 +7,21 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.datasets.hf_datasets import build_hf_dataloader
 from torchtitan.models.llama3.args import llama3_configs, TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.parallelize import check_llama_parallelism, parallelize_llama
 from torchtitan.protocols.train_spec import TrainSpec
 
 __all__ = ["Transformer", "TransformerModelArgs", "llama3_configs", "get_train_spec"]
 
 
-def get_train_spec(name: str = "llama3", parallelize_fn=parallelize_llama) -> TrainSpec:
-    """The llama3 spec; other specs reuse it with their own `parallelize_fn`."""
+def get_train_spec() -> TrainSpec:
+    """The llama3 spec; other specs reuse it (`dataclasses.replace`) with their own
+    `parallelize_fn` and its `check_parallelism_fn`."""
     return TrainSpec(
-        name=name,
+        name="llama3",
         model_cls=Transformer,
         flavors=llama3_configs,
-        parallelize_fn=parallelize_fn,
+        parallelize_fn=parallelize_llama,
+        check_parallelism_fn=check_llama_parallelism,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_hf_dataloader,

@@ -29,15 +29,27 @@ from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
 
 
+def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_config: Any) -> None:
+    """What Megatron-style TP and DDP need of the mesh (see `TrainSpec.check_parallelism_fn`):
+    the tp degree divides heads, kv-heads, dim, the SwiGLU width, the vocabulary (when the
+    loss is vocabulary-parallel) and the sequence (sequence parallelism); DDP is not
+    combined with TP."""
+    sizes = {"n_heads": model_args.n_heads, "n_kv_heads": model_args.n_kv_heads or model_args.n_heads,
+             "dim": model_args.dim, "ffn_hidden_dim": model_args.ffn_hidden_dim,
+             "vocab_size": model_args.vocab_size}
+    parallel_dims.check_tensor_parallel_sizes(sizes, job_config.training.seq_len,
+                                              f"llama3 {job_config.model.flavor}")
+    if parallel_dims.tp_enabled and parallel_dims.dp_replicate_enabled and not parallel_dims.dp_shard_enabled:
+        raise UserInputError(
+            "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) "
+            "cannot be combined with tensor parallelism; use HSDP "
+            "(data_parallel_shard_degree > 1) instead"
+        )
+
+
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
     training = job_config.training
     if parallel_dims.tp_enabled:
-        if training.seq_len % parallel_dims.tp:
-            raise UserInputError(
-                f"--training.seq_len {training.seq_len} is not divisible by "
-                f"--parallelism.tensor_parallel_degree {parallel_dims.tp} (sequence parallelism "
-                "splits the sequence across TP ranks)"
-            )
         apply_tp(model, parallel_dims.world_mesh["tp"], parallel_dims.loss_parallel_enabled)
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
@@ -57,12 +69,6 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             job_config.parallelism.fsdp_reshard_after_forward,
         )
     elif parallel_dims.dp_replicate_enabled:
-        if parallel_dims.tp_enabled:
-            raise UserInputError(
-                "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) "
-                "cannot be combined with tensor parallelism; use HSDP "
-                "(data_parallel_shard_degree > 1) instead"
-            )
         replicate(model, device_mesh=parallel_dims.world_mesh["dp_replicate"],
                   bucket_cap_mb=100)
         logger.info("applied DDP to the model")

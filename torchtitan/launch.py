@@ -1,0 +1,148 @@
+"""Start a training job: preflight, then torchrun, then one line for whatever failed.
+
+`run_train.sh` runs `python -m torchtitan.launch --nproc N [--log-ranks 0] [--config-file
+F] -- <train options>`.  Before any rank starts, the configuration goes through
+`torchtitan.preflight.check`.  The ranks run under torchrun (in this process, so its
+report of a failure can be taken over): their console output is shown for
+`--log-ranks`, every rank's full output is kept under `{dump_folder}/logs/`, and torchrun's
+own messages go to `{dump_folder}/logs/launcher.log`.  When a rank fails, the line of
+the report that explains it (`torchtitan.tools.rank_errors`) is printed as `error: ...`
+and the exit code is 2 — no traceback from torchrun on the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torchtitan.components.metrics import COLOR_ENV
+from torchtitan.config import main_parse
+from torchtitan.errors import UserInputError
+from torchtitan.tools import rank_errors
+
+# Once a rank has reported its failure, the others get this long to exit before they are
+# killed (torchrun's agent waits 30 s after its SIGTERM, which a stopped rank never sees).
+SHUTDOWN_TIMEOUT_S = 5
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan.launch")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    parser.add_argument("--log-ranks", default="0", help="ranks whose output is shown")
+    parser.add_argument("--config-file", help="TOML used unless the options name one")
+    own, train = argv, []
+    if "--" in argv:
+        i = argv.index("--")
+        own, train = argv[:i], argv[i + 1:]
+    args = parser.parse_args(own)
+    named = any(t.split("=")[0].replace("-", "_") == "__job.config_file" for t in train)
+    if args.config_file and not named:
+        train = ["--job.config_file", args.config_file, *train]
+    return args, train
+
+
+def _log_to_file(path: Path) -> None:
+    """torchrun's agent logs (rendezvous, 'failed (exitcode: 2)', ...) go to `path` only."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    elastic = logging.getLogger("torch.distributed")
+    elastic.handlers = [handler]  # replaces torch's own console handler in this process
+    elastic.propagate = False
+
+
+def _torchrun_args(nproc: int, log_ranks: str, log_dir: Path, train: list[str]):
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_args([
+        "--standalone", f"--nproc_per_node={nproc}", "--role", "rank",
+        "--local-ranks-filter", log_ranks, "--tee", "3", "--log-dir", str(log_dir),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "-m", "torchtitan.train", *train,
+    ])
+
+
+def _child_pids() -> list[int]:
+    """Processes whose parent is this one (the ranks torchrun started); Linux /proc only."""
+    me, pids = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me:
+            pids.append(int(entry.parent.name))
+    return pids
+
+
+def _kill_ranks_after_failure(folder: Path) -> None:
+    """Daemon: when a first rank report appears, SIGKILL the ranks left after the grace."""
+    def watch() -> None:
+        while not rank_errors.read_reports(folder):
+            time.sleep(0.5)
+        time.sleep(SHUTDOWN_TIMEOUT_S)
+        for pid in _child_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    threading.Thread(target=watch, name="kill-ranks-after-failure", daemon=True).start()
+
+
+def _failure_line(folder: Path, failures: dict) -> str:
+    """The chosen rank report, or (a rank killed by a signal writes none) its exit."""
+    report = rank_errors.first_report(folder)
+    if report is not None:
+        return report["line"]
+    rank, failure = min(failures.items(), key=lambda kv: kv[1].timestamp)
+    how = (f"signal {failure.signal_name()}" if failure.signal_name() != "<N/A>"
+           else f"exit code {failure.exitcode}")
+    return (f"rank {rank} died ({how}) without an error report; its output is under "
+            f"{folder / 'ranks'} and torchrun's in {folder / 'launcher.log'}")
+
+
+def run(nproc: int, log_ranks: str, train: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run as torchrun
+
+    from torchtitan import preflight
+
+    job_config = main_parse(train)  # prints the help, or one error line, and exits
+    try:
+        print(preflight.check(job_config, nproc), flush=True)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    folder = Path(job_config.job.dump_folder).resolve() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    rank_errors.clear_reports(folder)
+    shutil.rmtree(folder / "ranks", ignore_errors=True)
+    _log_to_file(folder / "launcher.log")
+    os.environ[rank_errors.ERROR_DIR_ENV] = str(folder)
+    os.environ.setdefault(COLOR_ENV, "1" if sys.stderr.isatty() else "0")
+    _kill_ranks_after_failure(folder)
+    try:
+        torchrun(_torchrun_args(nproc, log_ranks, folder / "ranks", train))
+    except ChildFailedError as e:
+        print(f"error: {_failure_line(folder, e.failures)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    args, train = _parse(argv)
+    code = run(args.nproc, args.log_ranks, train)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
