@@ -142,8 +142,8 @@ class ParallelDims:
                 if self.world_size % d == 0 and all(s % d == 0 for s in sizes.values())]
         raise ParallelismConfigError(
             f"--parallelism.tensor_parallel_degree {self.tp} does not divide "
-            f"{', '.join(bad)} of {model}; use a degree that does "
-            f"({', '.join(map(str, fits))} divide every size and the world size {self.world_size})"
+            f"{', '.join(bad)} of {model}; use one that divides them all and the world size "
+            f"{self.world_size}: {', '.join(map(str, fits))}"
         )
 
     @property

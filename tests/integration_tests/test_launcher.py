@@ -1,0 +1,139 @@
+"""`run_train.sh`'s launcher on 2 CPU ranks: a rank's failure is one `error:` line and exit
+code 2 (details in `{dump}/logs/`), a stalled rank ends the job within the train timeout,
+a bad cached plan is planned again, `--help` starts no rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchtitan.autoparallel import Plan
+from torchtitan.tools.loss_compare import DEBUG_TOML, REPO
+
+FAST = ["--training.seq_len", "64", "--training.seed", "1", "--lr_scheduler.warmup_steps", "1"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=str(REPO / "tests" / "assets" / "custom_specs"))
+    env.pop("TORCHTITAN_ERROR_DIR", None)
+    env.update(extra)
+    return env
+
+
+def _launch_cmd(dump: Path, *args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torchtitan.launch", "--nproc", str(nproc), "--config-file",
+            str(DEBUG_TOML), "--", "--job.dump_folder", str(dump), *FAST, *args]
+
+
+def _launch(dump: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_launch_cmd(dump, *args), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.parametrize("spec, line", [
+    ("fails_on_rank1", "rank 1 failed: RuntimeError: boom on rank 1 (traceback: {logs}/error_rank1.log)"),
+    ("refuses_on_rank1", "--model.flavor: rank 1 refuses it"),
+])
+def test_a_rank_failure_is_one_line_from_that_rank(spec, line, tmp_path):
+    proc = _launch(tmp_path, "--training.steps", "2", "--experimental.custom_import",
+                   "failing_specs", "--model.name", spec)
+    logs = tmp_path / "logs"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert _error_lines(proc) == ["error: " + line.format(logs=logs)]  # rank 1 is not shown
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "ChildFailedError" not in proc.stdout + proc.stderr
+    assert (logs / "error_rank1.log").read_text().rstrip().endswith(
+        "RuntimeError: boom on rank 1" if spec == "fails_on_rank1"
+        else "UserInputError: --model.flavor: rank 1 refuses it")
+    assert json.loads((logs / "error_rank1.json").read_text())["rank"] == 1
+    assert "failed (exitcode: 2) local_rank: 1" in (logs / "launcher.log").read_text()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in _children(launcher):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
+    proc = subprocess.Popen(
+        _launch_cmd(tmp_path, "--training.steps", "1000", "--comm.train_timeout_seconds", "5"),
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rank0_log = lambda: "".join(p.read_text() for p in (tmp_path / "logs" / "ranks").rglob(  # noqa: E731
+            "0/stderr.log")) if (tmp_path / "logs" / "ranks").exists() else ""
+        _wait_for(lambda: "step:  3" in rank0_log(), 180, "step 3")
+        rank1 = _rank_pid(proc.pid, 1)
+        assert rank1 is not None
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 failed: CollectiveTimeoutError: ")
+    assert "a collective waited longer than --comm.train_timeout_seconds 5" in errors[0]
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 stopped"
+
+
+def test_a_bad_cached_plan_is_planned_again_and_replaced(tmp_path):
+    args = ("--model.name", "llama3_auto_parallel", "--training.steps", "1")
+    first = _launch(tmp_path, *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (plan_file,) = (tmp_path / "plans").glob("*.json")
+    good = Plan.from_json(plan_file.read_text())
+    plan_file.write_text(plan_file.read_text()[:2000])  # truncated
+    second = _launch(tmp_path, *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"cached plan {plan_file} is unusable (not a plan: " in second.stderr
+    assert "planning again and replacing it" in second.stderr
+    assert Plan.from_json(plan_file.read_text()).params == good.params
+    assert "\x1b[" not in second.stdout + second.stderr  # no colour codes off a terminal
+    assert "step:  1" in second.stderr
+
+
+def test_help_is_printed_once_and_starts_no_rank(tmp_path):
+    proc = _launch(tmp_path, "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.count("usage:") == 1 and "--comm.train_timeout_seconds" in proc.stdout
+    assert "[rank" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "logs").exists()
