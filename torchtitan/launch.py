@@ -50,7 +50,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def _log_to_file(path: Path) -> None:
     """torchrun's agent logs (rendezvous, 'failed (exitcode: 2)', ...) go to `path` only."""
-    handler = logging.FileHandler(path)
+    handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     elastic = logging.getLogger("torch.distributed")
     elastic.handlers = [handler]  # replaces torch's own console handler in this process
@@ -68,40 +68,54 @@ def _torchrun_args(nproc: int, log_ranks: str, log_dir: Path, train: list[str]):
     ])
 
 
-def _child_pids() -> list[int]:
-    """Processes whose parent is this one (the ranks torchrun started); Linux /proc only."""
-    me, pids = os.getpid(), []
+def child_pids(parent: int) -> list[int]:
+    """Processes whose parent is `parent` (for the launcher: the ranks torchrun started);
+    Linux /proc only, empty elsewhere."""
+    pids = []
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = entry.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == me:
+        if int(fields[1]) == parent:
             pids.append(int(entry.parent.name))
     return pids
 
 
-def _kill_ranks_after_failure(folder: Path) -> None:
-    """Daemon: when a first rank report appears, SIGKILL the ranks left after the grace."""
+def _kill_ranks_after_failure(folder: Path) -> set[int]:
+    """Daemon: when a first rank report appears, SIGKILL the ranks left after the grace.
+    Returns the (growing) set of pids it killed."""
+    killed: set[int] = set()
+
     def watch() -> None:
         while not rank_errors.read_reports(folder):
             time.sleep(0.5)
         time.sleep(SHUTDOWN_TIMEOUT_S)
-        for pid in _child_pids():
+        for pid in child_pids(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             except ProcessLookupError:
                 pass
 
     threading.Thread(target=watch, name="kill-ranks-after-failure", daemon=True).start()
+    return killed
 
 
-def _failure_line(folder: Path, failures: dict) -> str:
-    """The chosen rank report, or (a rank killed by a signal writes none) its exit."""
+def _failure_line(folder: Path, failures: dict, killed_here: set[int]) -> str:
+    """Which failure to tell the user about.  A rank that died from a signal nobody here
+    sent (the OOM killer, a segfault) writes no report, and its peers then fail with
+    secondary errors ("connection closed"), so such a death wins over every report but an
+    input error; otherwise the report `first_report` picks."""
     report = rank_errors.first_report(folder)
-    if report is not None:
+    reported = {r["rank"] for r in rank_errors.read_reports(folder)}
+    died = {rank: f for rank, f in failures.items()
+            if rank not in reported and f.pid not in killed_here}
+    if report is not None and (report["user_error"] or not died):
         return report["line"]
-    rank, failure = min(failures.items(), key=lambda kv: kv[1].timestamp)
+    if not died:
+        died = failures
+    rank, failure = min(died.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     how = (f"signal {failure.signal_name()}" if failure.signal_name() != "<N/A>"
            else f"exit code {failure.exitcode}")
     return (f"rank {rank} died ({how}) without an error report; its output is under "
@@ -127,11 +141,11 @@ def run(nproc: int, log_ranks: str, train: list[str]) -> int:
     _log_to_file(folder / "launcher.log")
     os.environ[rank_errors.ERROR_DIR_ENV] = str(folder)
     os.environ.setdefault(COLOR_ENV, "1" if sys.stderr.isatty() else "0")
-    _kill_ranks_after_failure(folder)
+    killed_here = _kill_ranks_after_failure(folder)
     try:
         torchrun(_torchrun_args(nproc, log_ranks, folder / "ranks", train))
     except ChildFailedError as e:
-        print(f"error: {_failure_line(folder, e.failures)}", file=sys.stderr)
+        print(f"error: {_failure_line(folder, e.failures, killed_here)}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.autoparallel import Plan
+from torchtitan.launch import child_pids
 from torchtitan.tools.loss_compare import DEBUG_TOML, REPO
 
 FAST = ["--training.seq_len", "64", "--training.seed", "1", "--lr_scheduler.warmup_steps", "1"]
@@ -62,25 +64,19 @@ def test_a_rank_failure_is_one_line_from_that_rank(spec, line, tmp_path):
     assert "failed (exitcode: 2) local_rank: 1" in (logs / "launcher.log").read_text()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
 def _rank_pid(launcher: int, rank: int) -> int | None:
-    for pid in _children(launcher):
+    for pid in child_pids(launcher):
         try:
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 return pid
         except OSError:
             pass
     return None
+
+
+def _rank_output(dump: Path, rank: int) -> str:
+    """What rank `rank` logged so far (torchrun keeps it under {dump}/logs/ranks/)."""
+    return "".join(p.read_text() for p in (dump / "logs" / "ranks").rglob(f"{rank}/stderr.log"))
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -91,17 +87,22 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
+@pytest.mark.parametrize("sig, pattern", [
+    # stopped: its peers time out after the first step, the stopped rank is killed
+    (signal.SIGSTOP, r"rank 0 failed: CollectiveTimeoutError: step \d+: a collective waited "
+                     r"longer than --comm\.train_timeout_seconds 5; another rank stalled or died"),
+    # killed (as by the OOM killer): no report of its own, yet it is the rank named
+    (signal.SIGKILL, r"rank 1 died \(signal SIGKILL\) without an error report"),
+])
+def test_a_stopped_or_killed_rank_ends_the_job_soon_naming_the_cause(sig, pattern, tmp_path):
     proc = subprocess.Popen(
         _launch_cmd(tmp_path, "--training.steps", "1000", "--comm.train_timeout_seconds", "5"),
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        rank0_log = lambda: "".join(p.read_text() for p in (tmp_path / "logs" / "ranks").rglob(  # noqa: E731
-            "0/stderr.log")) if (tmp_path / "logs" / "ranks").exists() else ""
-        _wait_for(lambda: "step:  3" in rank0_log(), 180, "step 3")
+        _wait_for(lambda: "step:  3" in _rank_output(tmp_path, 0), 180, "step 3")
         rank1 = _rank_pid(proc.pid, 1)
         assert rank1 is not None
-        os.kill(rank1, signal.SIGSTOP)
+        os.kill(rank1, sig)
         stopped = time.monotonic()
         _, stderr = proc.communicate(timeout=120)
         elapsed = time.monotonic() - stopped
@@ -109,10 +110,10 @@ def test_a_stalled_rank_ends_the_job_within_the_train_timeout(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2
-    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: rank 0 failed: CollectiveTimeoutError: ")
-    assert "a collective waited longer than --comm.train_timeout_seconds 5" in errors[0]
-    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 stopped"
+    errors = [e for e in stderr.splitlines() if e.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert re.match("error: " + pattern, errors[0]), errors[0]
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 got {sig.name}"
 
 
 def test_a_bad_cached_plan_is_planned_again_and_replaced(tmp_path):

@@ -7,6 +7,7 @@ here tells the planner which layout to pick.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -369,3 +370,26 @@ def test_nested_gather_moves_the_large_tensor_over_the_outer_link():
     inner = 3 / 4 * (nbytes / 2) / (100.0 * 1e3)
     outer = 1 / 2 * nbytes / (1.0 * 1e3)
     assert us == pytest.approx(inner + outer)
+
+
+def test_a_plan_read_from_a_file_is_checked_against_the_model_and_mesh():
+    from torchtitan.autoparallel import Plan, PlannerError
+
+    def plan(params, mesh=(2,), names=("tp",), node_out="R"):
+        return Plan(mesh_shape=list(mesh), mesh_dim_names=list(names), params=params, grads={},
+                    buffers={}, inputs=[], outputs=[],
+                    nodes={"mm": {"op": "aten.mm", "ins": ["S(0)", "-"], "out": [node_out]}})
+
+    shapes = {"w": (4, 3), "b": (3,)}
+    plan({"w": "S(0)", "b": "R"}).check_applicable(shapes, [2], ["tp"])
+    for bad, message in [
+        (plan({"w": "S(2)", "b": "R"}), "impossible placement 'S(2)' for w [4, 3]"),
+        (plan({"w": "S(0)", "b": "S(0),R"}), "impossible placement 'S(0),R' for b [3]"),
+        (plan({"w": "S(0)"}), "places no b"),
+        (plan({"w": "S(0)", "b": "R", "c": "R"}), "places unknown parameter c"),
+        (plan({"w": "Q(1)", "b": "R"}), "unreadable placement: cannot parse placement 'Q(1)'"),
+        (plan({"w": "S(0)", "b": "R"}, node_out="S(x)"), "unreadable placement"),
+        (plan({"w": "S(0)", "b": "R"}, mesh=(4,)), "made for mesh [4] ['tp'], not [2] ['tp']"),
+    ]:
+        with pytest.raises(PlannerError, match=re.escape(message)):
+            bad.check_applicable(shapes, [2], ["tp"])
