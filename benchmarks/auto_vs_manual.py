@@ -27,9 +27,18 @@ MESHES = {
     "tp4": ["--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8"],
     "dp2 x tp2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
 }
-LARGE = {"dp4 large": ["--model.flavor", "debugmodel_large", "--training.seq_len", "512",
-                       "--parallelism.data_parallel_shard_degree", "4",
-                       "--training.local_batch_size", "1"]}
+LARGE = {
+    "dp4 large": [
+        "--model.flavor",
+        "debugmodel_large",
+        "--training.seq_len",
+        "512",
+        "--parallelism.data_parallel_shard_degree",
+        "4",
+        "--training.local_batch_size",
+        "1",
+    ]
+}
 COMPILE = ["--compile.enable"]
 
 
@@ -48,17 +57,28 @@ def main() -> None:
         configs.append(Config(f"{row} manual", ["--model.name", "llama3", *opts]))
         configs.append(Config(f"{row} auto", ["--model.name", "llama3_auto_parallel", *opts]))
     cache = Path(__file__).resolve().parent.parent / ".cache" / "bench-inductor"
-    results = measure(configs, args.steps, args.rounds, skip_steps=3,
-                      extra_args=["--metrics.count_collectives_step", "3"], inductor_cache=cache)
-    lines = [markdown_table(results), "",
-             "| row | auto/manual tps | auto/manual peak memory | collectives auto / manual |",
-             "|---|---|---|---|"]
+    results = measure(
+        configs,
+        args.steps,
+        args.rounds,
+        skip_steps=3,
+        extra_args=["--metrics.count_collectives_step", "3"],
+        inductor_cache=cache,
+    )
+    lines = [
+        markdown_table(results),
+        "",
+        "| row | auto/manual tps | auto/manual peak memory | collectives auto / manual |",
+        "|---|---|---|---|",
+    ]
     for i in range(0, len(results), 2):
         manual, auto = results[i], results[i + 1]
         row = manual.config.name.removesuffix(" manual")
-        lines.append(f"| {row} | {auto.median_tps / manual.median_tps:.2f}x | "
-                     f"{auto.max_peak_gib / manual.max_peak_gib:.2f}x | "
-                     f"{auto.collectives:.0f} / {manual.collectives:.0f} |")
+        lines.append(
+            f"| {row} | {auto.median_tps / manual.median_tps:.2f}x | "
+            f"{auto.max_peak_gib / manual.max_peak_gib:.2f}x | "
+            f"{auto.collectives:.0f} / {manual.collectives:.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
     write_table(Path(__file__).with_suffix(".md"), table)

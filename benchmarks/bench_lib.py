@@ -22,9 +22,11 @@ from torchtitan.tools.loss_compare import run_training
 from torchtitan.tools.tensorboard_io import read_scalars
 
 COMMON = [
-    "--training.seed", "42",
+    "--training.seed",
+    "42",
     "--metrics.enable_tensorboard",
-    "--metrics.log_freq", "1",
+    "--metrics.log_freq",
+    "1",
     "--metrics.disable_color_printing",
 ]
 
@@ -56,8 +58,14 @@ class Result:
         return max(self.peak_gib) if self.peak_gib else float("nan")
 
 
-def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
-            extra_args: list[str] = (), inductor_cache: Path | None = None) -> list[Result]:
+def measure(
+    configs: list[Config],
+    steps: int,
+    rounds: int,
+    skip_steps: int = 2,
+    extra_args: list[str] = (),
+    inductor_cache: Path | None = None,
+) -> list[Result]:
     results = [Result(c) for c in configs]
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for r in range(rounds):
@@ -65,9 +73,12 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 c = result.config
                 folder = Path(tmp) / f"{i}-{r}"
                 t0 = time.perf_counter()
-                run = run_training(c.nproc, [*COMMON, "--training.steps", str(steps),
-                                             *extra_args, *c.args], folder,
-                                   inductor_cache=inductor_cache)
+                run = run_training(
+                    c.nproc,
+                    [*COMMON, "--training.steps", str(steps), *extra_args, *c.args],
+                    folder,
+                    inductor_cache=inductor_cache,
+                )
                 result.wall_s.append(time.perf_counter() - t0)
                 run.check()
                 tb = folder / "tb"
@@ -84,21 +95,27 @@ def measure(configs: list[Config], steps: int, rounds: int, skip_steps: int = 2,
                 counted = read_scalars(tb, "comm/collectives")
                 if counted:
                     result.collectives = next(iter(counted.values()))
-                print(f"round {r + 1}/{rounds} {c.name}: tps {result.tps[-1]:.0f}, "
-                      f"peak {result.peak_gib[-1]:.2f} GiB, wall {result.wall_s[-1]:.0f}s",
-                      flush=True)
+                print(
+                    f"round {r + 1}/{rounds} {c.name}: tps {result.tps[-1]:.0f}, "
+                    f"peak {result.peak_gib[-1]:.2f} GiB, wall {result.wall_s[-1]:.0f}s",
+                    flush=True,
+                )
     return results
 
 
 def markdown_table(results: list[Result], columns: list[str] | None = None) -> str:
-    lines = ["| config | tps (median) | peak memory GiB (steady) | peak GiB (lifetime) "
-             "| collectives per step | loss at last step | wall s (median) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | tps (median) | peak memory GiB (steady) | peak GiB (lifetime) "
+        "| collectives per step | loss at last step | wall s (median) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         coll = "-" if r.collectives != r.collectives else f"{r.collectives:.0f}"
-        lines.append(f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
-                     f"{max(r.lifetime_gib):.2f} | {coll} | {r.final_loss:.4f} | "
-                     f"{statistics.median(r.wall_s):.0f} |")
+        lines.append(
+            f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
+            f"{max(r.lifetime_gib):.2f} | {coll} | {r.final_loss:.4f} | "
+            f"{statistics.median(r.wall_s):.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -107,4 +124,4 @@ def write_table(markdown_file: Path, table: str) -> None:
     text = markdown_file.read_text()
     start, end = "<!-- table -->", "<!-- /table -->"
     head = text[: text.index(start) + len(start)]
-    markdown_file.write_text(head + "\n" + table + "\n" + text[text.index(end):])
+    markdown_file.write_text(head + "\n" + table + "\n" + text[text.index(end) :])

@@ -28,22 +28,82 @@ sys.path.insert(0, str(HERE))
 from bench_lib import write_table  # noqa: E402
 
 FAMILIES = [
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
-    "olmo", "olmo2", "gpt2", "gpt_neo", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom",
-    "falcon", "starcoder2", "stablelm", "cohere", "granite", "mpt", "persimmon", "codegen",
-    "xglm", "biogpt", "smollm3", "glm", "glm4", "helium", "nemotron", "exaone4", "ernie4_5",
-    "seed_oss", "internlm3", "bitnet", "arcee", "apertus", "hunyuan_v1_dense", "cwm", "lfm2",
-    "diffllama", "minicpm3", "deepseek_v3", "mixtral", "qwen3_moe", "olmoe", "mamba", "bert",
-    "roberta", "bart", "openai-gpt", "ctrl",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "gpt2",
+    "gpt_neo",
+    "gpt_neox",
+    "gptj",
+    "gpt_bigcode",
+    "opt",
+    "bloom",
+    "falcon",
+    "starcoder2",
+    "stablelm",
+    "cohere",
+    "granite",
+    "mpt",
+    "persimmon",
+    "codegen",
+    "xglm",
+    "biogpt",
+    "smollm3",
+    "glm",
+    "glm4",
+    "helium",
+    "nemotron",
+    "exaone4",
+    "ernie4_5",
+    "seed_oss",
+    "internlm3",
+    "bitnet",
+    "arcee",
+    "apertus",
+    "hunyuan_v1_dense",
+    "cwm",
+    "lfm2",
+    "diffllama",
+    "minicpm3",
+    "deepseek_v3",
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+    "mamba",
+    "bert",
+    "roberta",
+    "bart",
+    "openai-gpt",
+    "ctrl",
 ]
 
 
 def run_family(model_type: str, steps: int) -> tuple[str, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests/integration_tests/autoparallel_numerics.py"), f"hf:{model_type}",
-           "dp2tp2"]
-    env = dict(os.environ, AP_STEPS=str(steps), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(REPO / "tests/integration_tests/autoparallel_numerics.py"),
+        f"hf:{model_type}",
+        "dp2tp2",
+    ]
+    env = dict(
+        os.environ,
+        AP_STEPS=str(steps),
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
         out = res.stdout + res.stderr
@@ -54,9 +114,13 @@ def run_family(model_type: str, steps: int) -> tuple[str, str]:
         fwd = re.search(rf"OK   {re.escape(tag)} forward x{steps} max err (\S+)", out)
         grad = re.search(rf"OK   {re.escape(tag)} grads x{steps} max err (\S+)", out)
         return "exact", f"forward {fwd.group(1)}, gradients {grad.group(1)}"
-    errors = [ln.strip() for ln in out.splitlines()
-              if re.match(r"^(\[rank0\]:)?\S*(Error|Exception)\b.*: ", ln.strip())
-              and "ChildFailedError" not in ln and "gloo" not in ln]
+    errors = [
+        ln.strip()
+        for ln in out.splitlines()
+        if re.match(r"^(\[rank0\]:)?\S*(Error|Exception)\b.*: ", ln.strip())
+        and "ChildFailedError" not in ln
+        and "gloo" not in ln
+    ]
     first = errors[0] if errors else out.strip().splitlines()[-1]
     first = re.sub(r"^\[rank0\]:", "", first)
     if "init_weights left" in first or "init bitwise" in first:
@@ -84,8 +148,11 @@ def main() -> None:
     lines += [rows[mt] for mt in FAMILIES if mt in rows]
     lines += [row for mt, row in rows.items() if mt not in FAMILIES]
     exact = sum(" | exact | " in row for row in rows.values())
-    lines += ["", f"**{exact} of {len(rows)} families exact** (dp2×tp2, {args.steps} AdamW "
-                  "steps, every gradient every step, fp32 tolerance 1e-5)"]
+    lines += [
+        "",
+        f"**{exact} of {len(rows)} families exact** (dp2×tp2, {args.steps} AdamW "
+        "steps, every gradient every step, fp32 tolerance 1e-5)",
+    ]
     table = "\n".join(lines)
     print(table)
     write_table(HERE / "hf_families.md", table)

@@ -23,8 +23,12 @@ from bench_lib import Config, markdown_table, measure, write_table  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {
     "llama3": ["--model.name", "llama3_auto_parallel"],
-    "hf llama": ["--model.name", "hf_auto_parallel",
-                 "--model.flavor", str(REPO / "tests/assets/hf_llama_debug")],
+    "hf llama": [
+        "--model.name",
+        "hf_auto_parallel",
+        "--model.flavor",
+        str(REPO / "tests/assets/hf_llama_debug"),
+    ],
 }
 MESHES = {
     "dp4": ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2"],
@@ -38,20 +42,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    configs = [Config(f"{mesh} {model}", ["--training.seq_len", "256", *m_opts, *opts])
-               for mesh, opts in MESHES.items() for model, m_opts in MODELS.items()]
-    results = measure(configs, args.steps, args.rounds, skip_steps=3,
-                      extra_args=["--metrics.count_collectives_step", "3"])
-    lines = [markdown_table(results), "",
-             "| mesh | planning s llama3 / hf | hf/llama3 tps | collectives llama3 / hf |",
-             "|---|---|---|---|"]
+    configs = [
+        Config(f"{mesh} {model}", ["--training.seq_len", "256", *m_opts, *opts])
+        for mesh, opts in MESHES.items()
+        for model, m_opts in MODELS.items()
+    ]
+    results = measure(
+        configs,
+        args.steps,
+        args.rounds,
+        skip_steps=3,
+        extra_args=["--metrics.count_collectives_step", "3"],
+    )
+    lines = [
+        markdown_table(results),
+        "",
+        "| mesh | planning s llama3 / hf | hf/llama3 tps | collectives llama3 / hf |",
+        "|---|---|---|---|",
+    ]
     for i in range(0, len(results), 2):
         ours, hf = results[i], results[i + 1]
         mesh = ours.config.name.removesuffix(" llama3")
-        lines.append(f"| {mesh} | {statistics.median(ours.plan_s):.1f} / "
-                     f"{statistics.median(hf.plan_s):.1f} | "
-                     f"{hf.median_tps / ours.median_tps:.2f}x | "
-                     f"{ours.collectives:.0f} / {hf.collectives:.0f} |")
+        lines.append(
+            f"| {mesh} | {statistics.median(ours.plan_s):.1f} / "
+            f"{statistics.median(hf.plan_s):.1f} | "
+            f"{hf.median_tps / ours.median_tps:.2f}x | "
+            f"{ours.collectives:.0f} / {hf.collectives:.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
     write_table(Path(__file__).with_suffix(".md"), table)

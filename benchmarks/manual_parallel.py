@@ -18,14 +18,34 @@ DP4 = ["--training.local_batch_size", "2"]
 CONFIGS = [
     Config("dp4 (FSDP)", DP4),
     Config("dp4 (FSDP) + full AC", DP4 + ["--activation_checkpoint.mode", "full"]),
-    Config("tp4 (TP+SP, loss parallel)", ["--parallelism.tensor_parallel_degree", "4",
-                                          "--training.local_batch_size", "8"]),
-    Config("dp2 x tp2 (FSDP+TP)", ["--parallelism.tensor_parallel_degree", "2",
-                                   "--training.local_batch_size", "4"]),
-    Config("HSDP 2x2", DP4 + ["--parallelism.data_parallel_replicate_degree", "2",
-                              "--parallelism.data_parallel_shard_degree", "2"]),
-    Config("DDP 4", DP4 + ["--parallelism.data_parallel_replicate_degree", "4",
-                           "--parallelism.data_parallel_shard_degree", "1"]),
+    Config(
+        "tp4 (TP+SP, loss parallel)",
+        ["--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8"],
+    ),
+    Config(
+        "dp2 x tp2 (FSDP+TP)",
+        ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+    ),
+    Config(
+        "HSDP 2x2",
+        DP4
+        + [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+    ),
+    Config(
+        "DDP 4",
+        DP4
+        + [
+            "--parallelism.data_parallel_replicate_degree",
+            "4",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    ),
 ]
 
 
@@ -38,6 +58,7 @@ def main() -> None:
     table = markdown_table(results)
     print(table)
     write_table(Path(__file__).with_suffix(".md"), table)
+
 
 if __name__ == "__main__":
     main()

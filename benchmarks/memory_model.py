@@ -173,18 +173,22 @@ def run_config(mesh_name: str, opts: argparse.Namespace) -> dict[str, Any]:
     dp_rank = mesh.get_local_rank("dp") if "dp" in names else 0
     loss_par = "tp" in names and not opts.no_loss_parallel
     vocab = HuggingFaceTokenizer(str(REPO / "tests/assets/tokenizer")).vocab_size
-    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=vocab,
-                               max_seq_len=opts.seq_len, n_layers=opts.layers)
+    args = dataclasses.replace(
+        llama3_configs["debugmodel"],
+        vocab_size=vocab,
+        max_seq_len=opts.seq_len,
+        n_layers=opts.layers,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     global_batch, seq = opts.local_batch * dp, opts.seq_len
     batch_pin = tuple(Shard(0) if d == "dp" else Replicate() for d in names)
-    out_pin = tuple(Shard(0) if d == "dp" else Shard(2) if loss_par else Replicate()
-                    for d in names)
+    out_pin = tuple(Shard(0) if d == "dp" else Shard(2) if loss_par else Replicate() for d in names)
 
     t0 = time.perf_counter()
-    with AutoParallel(model, lambda: torch.randint(0, vocab, (global_batch, seq)), mesh,
-                      cost_model="cpu") as autop:
+    with AutoParallel(
+        model, lambda: torch.randint(0, vocab, (global_batch, seq)), mesh, cost_model="cpu"
+    ) as autop:
         autop.add_parameter_memory_constraint()  # 1/world, as the trainer does
         autop.add_input_constraints([batch_pin])
         autop.add_output_constraints([out_pin])
@@ -202,7 +206,7 @@ def run_config(mesh_name: str, opts: argparse.Namespace) -> dict[str, Any]:
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 + step)
         data = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
-        rows = data[dp_rank * opts.local_batch:(dp_rank + 1) * opts.local_batch]
+        rows = data[dp_rank * opts.local_batch : (dp_rank + 1) * opts.local_batch]
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def local_bytes(ts) -> int:
@@ -220,8 +224,9 @@ def run_config(mesh_name: str, opts: argparse.Namespace) -> dict[str, Any]:
         if measured:
             rec = tracker
             gc.collect()
-            for kind, ts in zip(STATIC_KINDS, (params, optim_state(), list(pm.buffers()),
-                                               [tokens, labels])):
+            for kind, ts in zip(
+                STATIC_KINDS, (params, optim_state(), list(pm.buffers()), [tokens, labels])
+            ):
                 tracker.add(ts, kind)
             tracker.snapshot("start")
             untracked = _untracked_tensor_bytes(tracker)
@@ -251,7 +256,10 @@ def run_config(mesh_name: str, opts: argparse.Namespace) -> dict[str, Any]:
 
     fb = rec.snapshots["forward+loss"]
     return {
-        "mesh": mesh_name, "rank": dist.get_rank(), "plan_s": plan_s, "losses": losses,
+        "mesh": mesh_name,
+        "rank": dist.get_rank(),
+        "plan_s": plan_s,
+        "losses": losses,
         "predicted": {k: v for k, v in plan.predicted.items() if k.endswith("bytes_per_rank")},
         "params": dict(plan.params),
         "measured": {
@@ -276,8 +284,9 @@ def worker(opts: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     results = []
-    setup = {k: getattr(opts, k) for k in ("seq_len", "local_batch", "layers", "steps",
-                                           "measure_step")}
+    setup = {
+        k: getattr(opts, k) for k in ("seq_len", "local_batch", "layers", "steps", "measure_step")
+    }
     try:
         for name in opts.meshes.split(","):
             t0 = time.perf_counter()
@@ -302,9 +311,18 @@ def worker(opts: argparse.Namespace) -> None:
 
 
 # launching and reporting
-def launch(meshes: list[str], *, seq_len: int = 256, local_batch: int = 2, layers: int = 6,
-           steps: int = 3, measure_step: int = 3, no_loss_parallel: bool = False,
-           timeout: float = 900, workdir: str | Path):
+def launch(
+    meshes: list[str],
+    *,
+    seq_len: int = 256,
+    local_batch: int = 2,
+    layers: int = 6,
+    steps: int = 3,
+    measure_step: int = 3,
+    no_loss_parallel: bool = False,
+    timeout: float = 900,
+    workdir: str | Path,
+):
     """Run the worker on 4 CPU ranks, files in `workdir`; returns (`loss_compare.Run`, results
     per mesh).
 
@@ -317,15 +335,36 @@ def launch(meshes: list[str], *, seq_len: int = 256, local_batch: int = 2, layer
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "memory_model.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out),
-           "--meshes", ",".join(meshes), "--seq-len", str(seq_len),
-           "--local-batch", str(local_batch), "--layers", str(layers), "--steps", str(steps),
-           "--measure-step", str(measure_step)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--out",
+        str(out),
+        "--meshes",
+        ",".join(meshes),
+        "--seq-len",
+        str(seq_len),
+        "--local-batch",
+        str(local_batch),
+        "--layers",
+        str(layers),
+        "--steps",
+        str(steps),
+        "--measure-step",
+        str(measure_step),
+    ]
     if no_loss_parallel:
         cmd.append("--no-loss-parallel")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     code, output = launch_and_wait(cmd, env, timeout, "memory_model")
     if code == 0 and not out.exists():
         code, output = 1, output + "\n[memory_model] no results written\n"
@@ -359,12 +398,18 @@ def format_result(res: dict) -> str:
         "| term | predicted MiB/rank | measured MiB (max over ranks) | measured/predicted |",
         "|---|---:|---:|---:|",
     ]
-    for label, key in (("parameters", "param"), ("gradients", "grad"), ("AdamW state", "optim"),
-                       ("activations (fwd/bwd boundary)", "activation"), ("**peak**", "peak")):
+    for label, key in (
+        ("parameters", "param"),
+        ("gradients", "grad"),
+        ("AdamW state", "optim"),
+        ("activations (fwd/bwd boundary)", "activation"),
+        ("**peak**", "peak"),
+    ):
         p = pred[f"{key}_bytes_per_rank"]
         m = max(r["measured"][f"{key}_bytes"] for r in ranks)
-        lines.append(f"| {label} | {p / MiB:.2f} | {m / MiB:.2f} | "
-                     f"{m / p if p else float('nan'):.2f} |")
+        lines.append(
+            f"| {label} | {p / MiB:.2f} | {m / MiB:.2f} | {m / p if p else float('nan'):.2f} |"
+        )
     groups: dict[str, set] = defaultdict(set)
     for fqn, pl in ranks[0]["params"].items():
         groups[pl].add(re.sub(r"\.\d+\.", ".*.", fqn))
@@ -372,10 +417,10 @@ def format_result(res: dict) -> str:
     verdict = "WITHIN" if passed(res) else "NOT within"
     lines += [
         "",
-        "plan (parameter placements): " + "; ".join(
-            f"{pl}: {', '.join(sorted(g))}" for pl, g in sorted(groups.items())),
-        f"peak on rank {peak['rank']} at [{pm['peak_where']}], live by kind (MiB): " +
-        ", ".join(f"{k} {v / MiB:.2f}" for k, v in pm["peak_by_kind"].items()),
+        "plan (parameter placements): "
+        + "; ".join(f"{pl}: {', '.join(sorted(g))}" for pl, g in sorted(groups.items())),
+        f"peak on rank {peak['rank']} at [{pm['peak_where']}], live by kind (MiB): "
+        + ", ".join(f"{k} {v / MiB:.2f}" for k, v in pm["peak_by_kind"].items()),
         f"tool checks (bytes, max over ranks): alive after the step beyond its start "
         f"{max(x['measured']['left_after_step'] for x in ranks)}; tensors alive at the start "
         f"the tracker does not know {max(x['measured']['untracked_at_start'] for x in ranks)}",
@@ -393,8 +438,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--measure-step", type=int, default=3)
-    ap.add_argument("--no-loss-parallel", action="store_true",
-                    help="logits replicated on tp (default: vocabulary-sharded, as the trainer)")
+    ap.add_argument(
+        "--no-loss-parallel",
+        action="store_true",
+        help="logits replicated on tp (default: vocabulary-sharded, as the trainer)",
+    )
     ap.add_argument("--json", help="also write the raw per-rank results here")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -411,10 +459,17 @@ def main() -> int:
         ap.error(f"unknown mesh {unknown[0]}; choose from {', '.join(MESHES)}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="memory_model_") as tmp:
-        run, results = launch(meshes, seq_len=opts.seq_len, local_batch=opts.local_batch,
-                              layers=opts.layers, steps=opts.steps, measure_step=opts.measure_step,
-                              no_loss_parallel=opts.no_loss_parallel, timeout=opts.timeout,
-                              workdir=tmp)
+        run, results = launch(
+            meshes,
+            seq_len=opts.seq_len,
+            local_batch=opts.local_batch,
+            layers=opts.layers,
+            steps=opts.steps,
+            measure_step=opts.measure_step,
+            no_loss_parallel=opts.no_loss_parallel,
+            timeout=opts.timeout,
+            workdir=tmp,
+        )
     if run.returncode != 0:
         print(run.output[-6000:], file=sys.stderr)
         print(f"worker failed (rc {run.returncode})", file=sys.stderr)
@@ -425,8 +480,11 @@ def main() -> int:
     for res in results:
         print(format_result(res) + "\n")
         ok &= passed(res)
-    print(f"{len(results)} configurations in {time.perf_counter() - t0:.0f}s: "
-          + ("all within" if ok else "NOT all within") + f" {TOLERANCE:.0%} of the prediction")
+    print(
+        f"{len(results)} configurations in {time.perf_counter() - t0:.0f}s: "
+        + ("all within" if ok else "NOT all within")
+        + f" {TOLERANCE:.0%} of the prediction"
+    )
     return 0 if ok else 1
 
 

@@ -1,12 +1,13 @@
 """Planner benchmark: wall time per stage, peak RSS, and predicted step of the automatic plan
 relative to the best hand-written torchtitan plan (FSDP, FSDP+TP) under the same cost model.
 
-    python benchmarks/planner.py [--configs 8B:8 8B:8,8 70B:32,8 405B:64,8 405B:64,8:256] [--layers N]
+    python benchmarks/planner.py [--configs 8B:8 8B:8,8 70B:32,8 405B:64,8 405B:64,8:256] \
+        [--layers N]
 
 Each configuration runs `scripts/plan.py --apply` in its own process (fake process group, model
 on meta, H100 profile, global batch = dp size, seq 2048, bf16 mixed precision, 80 GiB per rank
-unless the config says otherwise, solver time limit 20 s), so peak RSS is per configuration.  Prints a markdown table (paste into
-benchmarks/planner.md):
+unless the config says otherwise, solver time limit 20 s), so peak RSS is per configuration.
+Prints a markdown table (paste into benchmarks/planner.md):
 
 * "plan s" is the wall time from building the model on meta to the automatic plan: trace (a
   shallow copy: first, second and last layer), strategies, prune+cluster, build, solve.
@@ -37,16 +38,47 @@ def run_one(flavor: str, mesh: str, budget: float, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         shape = [int(x) for x in mesh.split(",")]
         names = "dp" if len(shape) == 1 else "dp,tp"
-        cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), "--flavor", flavor, "--mesh", mesh,
-               "--mesh-names", names, "--device", "h100", "--batch", str(shape[0]),
-               "--seq-len", str(a.seq_len), "--mixed-precision", "bf16", "--memory-gib", str(budget),
-               "--time-limit", str(a.time_limit), "--apply", "--out-dir", d]
+        cmd = [
+            sys.executable,
+            str(REPO / "scripts" / "plan.py"),
+            "--flavor",
+            flavor,
+            "--mesh",
+            mesh,
+            "--mesh-names",
+            names,
+            "--device",
+            "h100",
+            "--batch",
+            str(shape[0]),
+            "--seq-len",
+            str(a.seq_len),
+            "--mixed-precision",
+            "bf16",
+            "--memory-gib",
+            str(budget),
+            "--time-limit",
+            str(a.time_limit),
+            "--apply",
+            "--out-dir",
+            d,
+        ]
         if a.layers:
             cmd += ["--layers", str(a.layers)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        r = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=a.timeout,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         if r.returncode != 0:
-            return {"flavor": flavor, "mesh": mesh, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+            return {
+                "flavor": flavor,
+                "mesh": mesh,
+                "error": (r.stderr.strip().splitlines() or ["?"])[-1],
+            }
         return {**json.loads((Path(d) / "summary.json").read_text()), "budget_gib": budget}
 
 
@@ -62,13 +94,20 @@ def row(s: dict) -> str:
     gap = s["solver"].get("gap")
     mesh = "x".join(map(str, s["mesh"]))
     cells = [f"{s['flavor']} ({s['layers']} layers)", mesh, f"{s['budget_gib']:g}"]
-    cells += [f"{t.get(k, 0):.1f}" for k in ("trace", "strategies", "prune+cluster", "build", "solve")]
-    cells += [f"**{s['plan_s']:.1f}**", "-" if gap is None else f"{gap:.2%}",
-              f"{t.get('trace_full', 0) + t.get('apply', 0):.1f}", f"{s['total_s']:.1f}",
-              f"{s['peak_rss_gib']:.2f}", f"{auto / 1e3:.1f}",
-              f"{best_k} {hand[best_k] / 1e3:.1f}"
-              + (f" (needs {pred[best_k]['peak_bytes_per_rank'] / 2**30:.0f} GiB)" if over else ""),
-              f"{auto / hand[best_k]:.3f}"]
+    cells += [
+        f"{t.get(k, 0):.1f}" for k in ("trace", "strategies", "prune+cluster", "build", "solve")
+    ]
+    cells += [
+        f"**{s['plan_s']:.1f}**",
+        "-" if gap is None else f"{gap:.2%}",
+        f"{t.get('trace_full', 0) + t.get('apply', 0):.1f}",
+        f"{s['total_s']:.1f}",
+        f"{s['peak_rss_gib']:.2f}",
+        f"{auto / 1e3:.1f}",
+        f"{best_k} {hand[best_k] / 1e3:.1f}"
+        + (f" (needs {pred[best_k]['peak_bytes_per_rank'] / 2**30:.0f} GiB)" if over else ""),
+        f"{auto / hand[best_k]:.3f}",
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -77,12 +116,17 @@ def main() -> int:
     ap.add_argument("--configs", nargs="*", default=DEFAULT, help="FLAVOR:MESH, e.g. 70B:32,8")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=None, help="override the flavor's depth")
-    ap.add_argument("--time-limit", type=float, default=20.0, help="solver time limit per solve (s)")
+    ap.add_argument(
+        "--time-limit", type=float, default=20.0, help="solver time limit per solve (s)"
+    )
     ap.add_argument("--timeout", type=int, default=1800)
     a = ap.parse_args()
-    print("| model | mesh | GiB/rank | trace s | strategies s | prune+cluster s | build s | solve s | plan s | gap | "
-          "apply s (full trace) | total s (incl. baselines) | peak RSS GiB | auto step ms | "
-          "best hand-written ms | auto/hand |")
+    print(
+        "| model | mesh | GiB/rank | trace s | strategies s | prune+cluster s | build s | "
+        "solve s | plan s | gap | "
+        "apply s (full trace) | total s (incl. baselines) | peak RSS GiB | auto step ms | "
+        "best hand-written ms | auto/hand |"
+    )
     print("|" + "---|" * 16)
     for cfg in a.configs:
         flavor, mesh, *budget = cfg.split(":")

@@ -55,14 +55,26 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=None, help="override n_layers (faster tracing)")
     ap.add_argument("--vocab", type=int, default=None, help="override vocab_size")
-    ap.add_argument("--memory-gib", type=float, default=None,
-                    help="per-rank memory budget in GiB (params+grads+AdamW+activations); "
-                         "default: the device's memory (h100 80, h200 141, a100 80, cpu 24)")
-    ap.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
-                    help="bf16: parameters gathered and computed in bf16, gradients reduced in "
-                         "fp32 (torchtitan's FSDP2 default); none: everything fp32")
-    ap.add_argument("--param-fraction", type=float, default=None,
-                    help="additionally bound parameter memory to this fraction of all parameters")
+    ap.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="per-rank memory budget in GiB (params+grads+AdamW+activations); "
+        "default: the device's memory (h100 80, h200 141, a100 80, cpu 24)",
+    )
+    ap.add_argument(
+        "--mixed-precision",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: parameters gathered and computed in bf16, gradients reduced in "
+        "fp32 (torchtitan's FSDP2 default); none: everything fp32",
+    )
+    ap.add_argument(
+        "--param-fraction",
+        type=float,
+        default=None,
+        help="additionally bound parameter memory to this fraction of all parameters",
+    )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
     ap.add_argument("--out-dir", default="plan_out")
@@ -85,11 +97,17 @@ def validate(a):
     if not shape or any(s <= 0 for s in shape):
         raise BadInput(f"--mesh sizes must be positive, got {a.mesh}")
     if a.mesh_names is None:
-        names = ("dp", "tp")[: len(shape)] if len(shape) <= 2 else tuple(f"d{i}" for i in range(len(shape)))
+        names = (
+            ("dp", "tp")[: len(shape)]
+            if len(shape) <= 2
+            else tuple(f"d{i}" for i in range(len(shape)))
+        )
     else:
         names = tuple(x.strip() for x in a.mesh_names.split(","))
         if len(names) != len(shape):
-            raise BadInput(f"--mesh-names has {len(names)} name(s) for a {len(shape)}-D mesh {a.mesh}")
+            raise BadInput(
+                f"--mesh-names has {len(names)} name(s) for a {len(shape)}-D mesh {a.mesh}"
+            )
         if len(set(names)) != len(names) or not all(names):
             raise BadInput(f"--mesh-names must be distinct and non-empty, got '{a.mesh_names}'")
     for opt in ("batch", "seq_len", "layers", "vocab"):
@@ -117,7 +135,9 @@ def fsdp_plan(params, names):
     from torch.distributed.tensor import Replicate, Shard
 
     dp = _dp_dim(names)
-    return {f: tuple(Shard(0) if d == dp else Replicate() for d in range(len(names))) for f in params}
+    return {
+        f: tuple(Shard(0) if d == dp else Replicate() for d in range(len(names))) for f in params
+    }
 
 
 def fsdp_tp_plan(params, names):
@@ -141,7 +161,9 @@ def fsdp_tp_plan(params, names):
         else:
             on_tp = Replicate()
         on_dp = Shard(1) if on_tp == Shard(0) and len(shape) > 1 else Shard(0)
-        out[f] = tuple(on_dp if d == dp else on_tp if d == tp else Replicate() for d in range(len(names)))
+        out[f] = tuple(
+            on_dp if d == dp else on_tp if d == tp else Replicate() for d in range(len(names))
+        )
     return out
 
 
@@ -159,7 +181,11 @@ def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
     for (pattern, pl, shape), ids in groups.items():
         ids = sorted(i for i in ids if i >= 0)
         if ids:
-            rng = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+            rng = (
+                f"{ids[0]}..{ids[-1]}"
+                if ids == list(range(ids[0], ids[-1] + 1))
+                else ",".join(map(str, ids))
+            )
             name = pattern.replace("*", "{" + rng + "}", 1)
         else:
             name = pattern
@@ -180,12 +206,19 @@ def summary_line(label: str, plan) -> str:
     p = plan.predicted
     comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
     mem = p.get("peak_bytes_per_rank")
-    mem_s = "" if mem is None else (
-        f" | memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
-        f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
-        f"activations {gib(p['activation_bytes_per_rank'])})")
-    return (f"{label:<14} step {(comp + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms "
-            f"+ exposed comm {comm / 1e3:9.2f} ms{mem_s}")
+    mem_s = (
+        ""
+        if mem is None
+        else (
+            f" | memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
+            f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
+            f"activations {gib(p['activation_bytes_per_rank'])})"
+        )
+    )
+    return (
+        f"{label:<14} step {(comp + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms "
+        f"+ exposed comm {comm / 1e3:9.2f} ms{mem_s}"
+    )
 
 
 def write_html(path: Path, plans: dict, names, mesh_shape, title: str) -> None:
@@ -200,21 +233,30 @@ def write_html(path: Path, plans: dict, names, mesh_shape, title: str) -> None:
             return f'<td style="background:{colors[(d + 1) % len(colors)]}">split dim {d}</td>'
         return f"<td>{html.escape(pl_item)}</td>"
 
-    out = [f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>",
-           "<style>body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse;margin:8px 0 24px}"
-           "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left}td.r{color:#999}"
-           "h2{margin-top:28px}</style>", f"<h1>{html.escape(title)}</h1>",
-           "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
-           "dim is split across that mesh dim (R = replicated).</p>"]
+    out = [
+        f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;font-size:13px}"
+        "table{border-collapse:collapse;margin:8px 0 24px}"
+        "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left}td.r{color:#999}"
+        "h2{margin-top:28px}</style>",
+        f"<h1>{html.escape(title)}</h1>",
+        "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
+        "dim is split across that mesh dim (R = replicated).</p>",
+    ]
     for label, plan in plans.items():
-        p = plan.predicted
         out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
-        out.append("<table><tr><th>parameter</th><th>shape</th>" + "".join(
-            f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape)) + "</tr>")
+        out.append(
+            "<table><tr><th>parameter</th><th>shape</th>"
+            + "".join(f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape))
+            + "</tr>"
+        )
         for fqn, pl in plan.params.items():
             shape = "x".join(map(str, plan.param_shapes.get(fqn, [])))
-            out.append(f"<tr><td>{html.escape(fqn)}</td><td>{shape}</td>"
-                       + "".join(cell(x) for x in pl.split(",")) + "</tr>")
+            out.append(
+                f"<tr><td>{html.escape(fqn)}</td><td>{shape}</td>"
+                + "".join(cell(x) for x in pl.split(","))
+                + "</tr>"
+            )
         out.append("</table>")
     path.write_text("\n".join(out))
 
@@ -255,20 +297,34 @@ def run(a) -> int:
         model = Transformer(args)
     vocab = args.vocab_size
     pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(shape)))
-    _progress(f"{a.flavor} ({args.n_layers} layers) on mesh {dict(zip(names, shape))}, "
-              f"batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} GiB/rank: tracing ...")
+    _progress(
+        f"{a.flavor} ({args.n_layers} layers) on mesh {dict(zip(names, shape))}, "
+        f"batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} GiB/rank: "
+        "tracing ..."
+    )
     plans = OrderedDict()
     mp_policy = None
     if a.mixed_precision == "bf16":
         from torch.distributed.fsdp import MixedPrecisionPolicy
+
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    with AutoParallel(model, lambda: torch.randint(0, vocab, (batch, a.seq_len)), mesh,
-                      mp_policy=mp_policy, cost_model=a.device.lower(),
-                      solver_time_limit=a.time_limit) as autop:
-        _progress(f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); strategies ...")
+    with AutoParallel(
+        model,
+        lambda: torch.randint(0, vocab, (batch, a.seq_len)),
+        mesh,
+        mp_policy=mp_policy,
+        cost_model=a.device.lower(),
+        solver_time_limit=a.time_limit,
+    ) as autop:
+        _progress(
+            f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); "
+            "strategies ..."
+        )
         autop.prepare()
-        _progress(f"  strategies {autop.timings['strategies']:.2f}s, prune+cluster "
-                  f"{autop.timings.get('prune+cluster', 0.0):.2f}s; solving the automatic plan ...")
+        _progress(
+            f"  strategies {autop.timings['strategies']:.2f}s, prune+cluster "
+            f"{autop.timings.get('prune+cluster', 0.0):.2f}s; solving the automatic plan ..."
+        )
 
         def constrain(param_pins=None):
             autop.clear_constraints()
@@ -284,8 +340,10 @@ def run(a) -> int:
         constrain()
         plans["auto"] = autop.optimize_placement()
         plan_s = time.perf_counter() - t_all
-        _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s; "
-                  f"automatic plan after {plan_s:.2f}s")
+        _progress(
+            f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s; "
+            f"automatic plan after {plan_s:.2f}s"
+        )
         if not a.no_baselines:
             pshapes = autop.param_shapes()
             baselines = [("FSDP", fsdp_plan(pshapes, names))]
@@ -295,23 +353,32 @@ def run(a) -> int:
                 _progress(f"  pricing hand-written {label} ...")
                 constrain(pins)
                 plans[label] = autop.optimize_placement()
-                _progress(f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s")
+                _progress(
+                    f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s"
+                )
         if a.apply:
             _progress("  apply_placement ...")
             try:
                 autop.apply_placement(plans["auto"])
                 if "trace_full" in autop.timings:  # the plan came from a shallow trace
                     plans["auto"].timings["trace_full"] = autop.timings["trace_full"]
-                _progress(f"  apply {autop.timings['apply']:.2f}s (after tracing the whole model "
-                          f"{autop.timings.get('trace_full', 0.0):.2f}s)")
+                _progress(
+                    f"  apply {autop.timings['apply']:.2f}s (after tracing the whole model "
+                    f"{autop.timings.get('trace_full', 0.0):.2f}s)"
+                )
             except Exception as e:  # timing only; the plan itself is still reported
-                _progress(f"  apply failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                _progress(
+                    f"  apply failed: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}"
+                )
     total = time.perf_counter() - t_all
 
     auto = plans["auto"]
-    print(f"\n== plan for llama3 {a.flavor} ({args.n_layers} layers) on mesh "
-          f"{' x '.join(f'{n}={s}' for n, s in zip(names, shape))}, device {a.device}, "
-          f"batch {batch} x seq {a.seq_len}")
+    print(
+        f"\n== plan for llama3 {a.flavor} ({args.n_layers} layers) on mesh "
+        f"{' x '.join(f'{n}={s}' for n, s in zip(names, shape))}, device {a.device}, "
+        f"batch {batch} x seq {a.seq_len}"
+    )
     rows = collapse(auto.params, auto.param_shapes)
     w = max(len(r[0]) for r in rows)
     ws = max(len(r[1]) for r in rows)
@@ -323,33 +390,67 @@ def run(a) -> int:
     for label, plan in plans.items():
         print(summary_line(label, plan))
     if len(plans) > 1:
-        best_label, best = min(((k, v) for k, v in plans.items() if k != "auto"),
-                               key=lambda kv: kv[1].predicted["step_us"])
+        best_label, best = min(
+            ((k, v) for k, v in plans.items() if k != "auto"),
+            key=lambda kv: kv[1].predicted["step_us"],
+        )
         ratio = auto.predicted["step_us"] / best.predicted["step_us"]
         print(f"auto / best hand-written ({best_label}) predicted step: {ratio:.3f}")
     t = auto.timings
-    print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
-          + f"; plan {plan_s:.2f}s, total {total:.2f}s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(
+        "timings: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+        + f"; plan {plan_s:.2f}s, total {total:.2f}s; "
+        + f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    )
     s = auto.solver
     gap = s.get("gap")
-    print(f"solver: {s.get('status')}, proven gap {'-' if gap is None else f'{gap:.2%}'}, "
-          f"optimal={s.get('optimal')} vars={s.get('num_vars')} rows={s.get('num_rows')}")
+    print(
+        f"solver: {s.get('status')}, proven gap {'-' if gap is None else f'{gap:.2%}'}, "
+        f"optimal={s.get('optimal')} vars={s.get('num_vars')} rows={s.get('num_rows')}"
+    )
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     auto.save(out / "plan.json")
-    (out / "baselines.json").write_text(json.dumps(
-        {k: {"params": v.params, "predicted": v.predicted} for k, v in plans.items() if k != "auto"}, indent=1))
-    write_html(out / "plan.html", plans, names, shape,
-               f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}")
-    summary = {"flavor": a.flavor, "layers": args.n_layers, "mesh": list(shape), "names": list(names),
-               "device": a.device, "batch": batch, "seq_len": a.seq_len, "timings": dict(auto.timings),
-               "plan_s": plan_s, "total_s": total, "solver": auto.solver,
-               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-               "predicted": {k: v.predicted for k, v in plans.items()},
-               "params": {k: v.params for k, v in plans.items()}}
+    (out / "baselines.json").write_text(
+        json.dumps(
+            {
+                k: {"params": v.params, "predicted": v.predicted}
+                for k, v in plans.items()
+                if k != "auto"
+            },
+            indent=1,
+        )
+    )
+    write_html(
+        out / "plan.html",
+        plans,
+        names,
+        shape,
+        f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}",
+    )
+    summary = {
+        "flavor": a.flavor,
+        "layers": args.n_layers,
+        "mesh": list(shape),
+        "names": list(names),
+        "device": a.device,
+        "batch": batch,
+        "seq_len": a.seq_len,
+        "timings": dict(auto.timings),
+        "plan_s": plan_s,
+        "total_s": total,
+        "solver": auto.solver,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "predicted": {k: v.predicted for k, v in plans.items()},
+        "params": {k: v.params for k, v in plans.items()},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"wrote {out / 'plan.json'}, {out / 'baselines.json'}, {out / 'plan.html'}, {out / 'summary.json'}")
+    print(
+        f"wrote {out / 'plan.json'}, {out / 'baselines.json'}, {out / 'plan.html'}, "
+        f"{out / 'summary.json'}"
+    )
     return 0
 
 

@@ -58,12 +58,16 @@ def write_assets(tokenizer, out: Path) -> None:
         json.dumps(spec, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8"
     )
     config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2) + "\n", encoding="utf-8"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--corpus", type=Path, default=REPO_ROOT / "tests/assets/titan_corpus/data.jsonl")
+    parser.add_argument(
+        "--corpus", type=Path, default=REPO_ROOT / "tests/assets/titan_corpus/data.jsonl"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests/assets/tokenizer")
     parser.add_argument("--vocab-size", type=int, default=2000)
     args = parser.parse_args()

@@ -40,7 +40,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, train = argv, []
     if "--" in argv:
         i = argv.index("--")
-        own, train = argv[:i], argv[i + 1:]
+        own, train = argv[:i], argv[i + 1 :]
     args = parser.parse_args(own)
     named = any(t.split("=")[0].replace("-", "_") == "__job.config_file" for t in train)
     if args.config_file and not named:
@@ -60,12 +60,25 @@ def _log_to_file(path: Path) -> None:
 def _torchrun_args(nproc: int, log_ranks: str, log_dir: Path, train: list[str]):
     from torch.distributed.run import get_args_parser
 
-    return get_args_parser().parse_args([
-        "--standalone", f"--nproc_per_node={nproc}", "--role", "rank",
-        "--local-ranks-filter", log_ranks, "--tee", "3", "--log-dir", str(log_dir),
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        "-m", "torchtitan.train", *train,
-    ])
+    return get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--role",
+            "rank",
+            "--local-ranks-filter",
+            log_ranks,
+            "--tee",
+            "3",
+            "--log-dir",
+            str(log_dir),
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+            "-m",
+            "torchtitan.train",
+            *train,
+        ]
+    )
 
 
 def child_pids(parent: int) -> list[int]:
@@ -109,17 +122,23 @@ def _failure_line(folder: Path, failures: dict, killed_here: set[int]) -> str:
     input error; otherwise the report `first_report` picks."""
     report = rank_errors.first_report(folder)
     reported = {r["rank"] for r in rank_errors.read_reports(folder)}
-    died = {rank: f for rank, f in failures.items()
-            if rank not in reported and f.pid not in killed_here}
+    died = {
+        rank: f for rank, f in failures.items() if rank not in reported and f.pid not in killed_here
+    }
     if report is not None and (report["user_error"] or not died):
         return report["line"]
     if not died:
         died = failures
     rank, failure = min(died.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    how = (f"signal {failure.signal_name()}" if failure.signal_name() != "<N/A>"
-           else f"exit code {failure.exitcode}")
-    return (f"rank {rank} died ({how}) without an error report; its output is under "
-            f"{folder / 'ranks'} and torchrun's in {folder / 'launcher.log'}")
+    how = (
+        f"signal {failure.signal_name()}"
+        if failure.signal_name() != "<N/A>"
+        else f"exit code {failure.exitcode}"
+    )
+    return (
+        f"rank {rank} died ({how}) without an error report; its output is under "
+        f"{folder / 'ranks'} and torchrun's in {folder / 'launcher.log'}"
+    )
 
 
 def run(nproc: int, log_ranks: str, train: list[str]) -> int:

@@ -35,14 +35,15 @@ def check_writable_folder(path: Path, option: str) -> None:
     if not probe.is_dir():
         raise UserInputError(
             f"{option}: {probe} is a file, so the folder {path} cannot be created; "
-            "remove the file or choose another folder")
+            "remove the file or choose another folder"
+        )
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
         raise UserInputError(
-            f"{option}: cannot write into {probe} ({e.strerror}); "
-            "choose a writable folder") from None
+            f"{option}: cannot write into {probe} ({e.strerror}); choose a writable folder"
+        ) from None
 
 
 def output_folders(job_config) -> list[tuple[Path, str]]:
@@ -75,7 +76,8 @@ def check(job_config, world_size: int) -> str:
     data = check_dataset(job_config.training)
     for folder, option in output_folders(job_config):
         check_writable_folder(folder, option)
-    return f"preflight: mesh {dims.dp_replicate}x{dims.dp_shard}x{dims.tp} (replicate x shard x tp), data {data}"
+    mesh = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp}"
+    return f"preflight: mesh {mesh} (replicate x shard x tp), data {data}"
 
 
 def main(argv: list[str]) -> None:
@@ -84,7 +86,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     i = argv.index("--world-size")
     world_size = int(argv[i + 1])
-    job_config = main_parse(argv[:i] + argv[i + 2:])
+    job_config = main_parse(argv[:i] + argv[i + 2 :])
     try:
         print(check(job_config, world_size))
     except UserInputError as e:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import ParallelDims
@@ -29,8 +31,6 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
 from torchtitan.distributed.sharded_init import every_value_initialised, exact_sharded_init
 from torchtitan.errors import UserInputError
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives
@@ -136,13 +136,20 @@ class Trainer:
         self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
         self.loss_fn = spec.build_loss_fn(job_config)
         self.metrics = MetricsProcessor(
-            job_config, self.device.type, flops_per_token,
-            self.parallel_dims.non_data_parallel_size, self.rank,
+            job_config,
+            self.device.type,
+            flops_per_token,
+            self.parallel_dims.non_data_parallel_size,
+            self.rank,
         )
         self.step = 0
         self.checkpointer = CheckpointManager(
-            dataloader=self.dataloader, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers, states={"train_state": self}, job_config=job_config,
+            dataloader=self.dataloader,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            job_config=job_config,
         )
         self.losses: list[float] = []
         self.gc_freq = training.gc_freq
@@ -210,7 +217,11 @@ class Trainer:
             if counting:
                 self.metrics.log_collectives(self.step, counts)
             self.losses.append(loss)
-            if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+            if (
+                self.step == 1
+                or self.step % cfg.metrics.log_freq == 0
+                or self.step == cfg.training.steps
+            ):
                 self.metrics.log(self.step, loss, max_loss, grad_norm, lr)
             self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
             if self.step == cfg.training.stop_at_step:
@@ -236,7 +247,8 @@ def _timeout_explained(step: int, comm: Any):
         if step > 1 and "timed out" in str(e).lower():
             raise CollectiveTimeoutError(
                 f"step {step}: a collective waited longer than --comm.train_timeout_seconds "
-                f"{comm.train_timeout_seconds}; another rank stalled or died") from e
+                f"{comm.train_timeout_seconds}; another rank stalled or died"
+            ) from e
         raise
 
 

@@ -19,7 +19,9 @@ class MLPStack(nn.Module):
     def __init__(self, dim: int = 32, hidden: int = 64, n_layers: int = 3):
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(n_layers))
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(n_layers)
+        )
         self.head = nn.Linear(dim, dim)
 
     def init_weights(self) -> None:
@@ -76,8 +78,9 @@ def tiny_llama(n_layers: int = 2, vocab: int = 256, seq: int = 16):
     from torchtitan.models.llama3.args import llama3_configs
     from torchtitan.models.llama3.model import Transformer
 
-    args = dataclasses.replace(llama3_configs["debugmodel"], vocab_size=vocab, max_seq_len=seq,
-                               n_layers=n_layers)
+    args = dataclasses.replace(
+        llama3_configs["debugmodel"], vocab_size=vocab, max_seq_len=seq, n_layers=n_layers
+    )
     return Transformer(args)
 
 
@@ -85,15 +88,27 @@ class TiedLM(nn.Module):
     """GPT-style LM with learned positions, LayerNorm blocks and an LM head tied to the token
     embedding (one parameter under two FQNs); `dropout` > 0 adds train-mode dropout."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, max_seq: int = 16,
-                 dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        n_layers: int = 2,
+        max_seq: int = 16,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_seq, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
-                          nn.Linear(2 * dim, dim), nn.Dropout(dropout))
-            for _ in range(n_layers))
+            nn.Sequential(
+                nn.LayerNorm(dim),
+                nn.Linear(dim, 2 * dim),
+                nn.GELU(),
+                nn.Linear(2 * dim, dim),
+                nn.Dropout(dropout),
+            )
+            for _ in range(n_layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight
@@ -124,10 +139,12 @@ class Mixer(nn.Module):
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * n_layers))
         self.token_mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(seq, 2 * seq), nn.GELU(), nn.Linear(2 * seq, seq))
-            for _ in range(n_layers))
+            for _ in range(n_layers)
+        )
         self.channel_mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-            for _ in range(n_layers))
+            for _ in range(n_layers)
+        )
         self.head = nn.Linear(dim, dim)
 
     def init_weights(self) -> None:
@@ -172,7 +189,8 @@ class Indexing(nn.Module):
         rows = torch.arange(b, device=x.device)[:, None]
         permuted = h[rows, self.perm[None, :]]  # index.Tensor with two index tensors
         pooled = torch.zeros(b, s // 2, d, device=x.device, dtype=h.dtype).index_put(
-            (rows, self.bucket[None, :]), permuted, accumulate=True)
+            (rows, self.bucket[None, :]), permuted, accumulate=True
+        )
         idx = self.perm[None, :, None].expand(b, s, d)
         gathered = torch.gather(h, 1, idx)
         scattered = torch.zeros_like(h).scatter_add(1, idx, h * 0.5)

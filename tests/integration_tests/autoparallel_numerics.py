@@ -1,11 +1,12 @@
 """Multi-rank numerics check for the planner: run with
 
-    torchrun --standalone --nproc_per_node=4 tests/integration_tests/autoparallel_numerics.py [models] [meshes] [bf16]
+    torchrun --standalone --nproc_per_node=4 tests/integration_tests/autoparallel_numerics.py \
+        [models] [meshes] [bf16]
 
 For each model and each mesh (dp4, tp4, dp2xtp2 — the same 4 ranks reshaped) it plans
-(`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it, initialises with
-`init_weights` and checks, against one process that builds the model on meta, materialises
-it and calls the same `init_weights`:
+(`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it,
+initialises with `init_weights` and checks, against one process that builds the model on meta,
+materialises it and calls the same `init_weights`:
   * initial parameters and buffers equal the single-process init bitwise;
   * then for `AP_STEPS` (5) AdamW steps, a new batch each, next to a single-process copy: the
     forward output on this rank's batch slice and every parameter gradient at every step
@@ -43,10 +44,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import hf_models  # noqa: E402
-from rank_checks import check, run_checks  # noqa: E402
 from autoparallel_models import (  # noqa: E402
-    Elementwise, GPT2Block, Indexing, Mixer, MLPStack, TiedLM, tiny_llama,
+    Elementwise,
+    GPT2Block,
+    Indexing,
+    Mixer,
+    MLPStack,
+    TiedLM,
+    tiny_llama,
 )
+from rank_checks import check, run_checks  # noqa: E402
 
 from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
 from torchtitan.distributed.sharded_init import every_value_initialised  # noqa: E402
@@ -57,34 +64,70 @@ MESHES = {"dp4": ((4,), ("dp",)), "tp4": ((4,), ("tp",)), "dp2tp2": ((2, 2), ("d
 
 def models():
     b, s = 4, 16
-    families = {name: _hf_entry(name, b, s) for name in sys.argv[1].split(",")
-                if name.startswith("hf:")} if len(sys.argv) > 1 else {}
-    return {**families,
-        "llama": (lambda: tiny_llama(n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s),
-                  lambda g: (torch.randint(0, 256, (b, s), generator=g),),
-                  lambda g: torch.randint(0, 256, (b, s), generator=g), "ce"),
+    families = (
+        {name: _hf_entry(name, b, s) for name in sys.argv[1].split(",") if name.startswith("hf:")}
+        if len(sys.argv) > 1
+        else {}
+    )
+    return {
+        **families,
+        "llama": (
+            lambda: tiny_llama(
+                n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s
+            ),
+            lambda g: (torch.randint(0, 256, (b, s), generator=g),),
+            lambda g: torch.randint(0, 256, (b, s), generator=g),
+            "ce",
+        ),
         # 5 blocks: planned from a shallow trace of 3, applied to all 5 (repeat.py)
-        "mlp": (lambda: MLPStack(n_layers=5), lambda g: (torch.randn(b, 8, 32, generator=g),),
-                lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
-        "gpt2": (lambda: GPT2Block(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
-                 lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
-        "tied": (lambda: TiedLM(), lambda g: (torch.randint(0, 64, (b, s), generator=g),),
-                 lambda g: torch.randint(0, 64, (b, s), generator=g), "ce"),
-        "mixer": (lambda: Mixer(), lambda g: (torch.randn(b, 8, 32, generator=g),),
-                  lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
-        "indexing": (lambda: Indexing(), lambda g: (torch.randn(b, 8, 32, generator=g),),
-                     lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
-        "elementwise": (lambda: Elementwise(), lambda g: (torch.randn(b, 8, 32, generator=g),),
-                        lambda g: torch.randn(b, 8, 32, generator=g), "mse"),
+        "mlp": (
+            lambda: MLPStack(n_layers=5),
+            lambda g: (torch.randn(b, 8, 32, generator=g),),
+            lambda g: torch.randn(b, 8, 32, generator=g),
+            "mse",
+        ),
+        "gpt2": (
+            lambda: GPT2Block(),
+            lambda g: (torch.randint(0, 64, (b, s), generator=g),),
+            lambda g: torch.randint(0, 64, (b, s), generator=g),
+            "ce",
+        ),
+        "tied": (
+            lambda: TiedLM(),
+            lambda g: (torch.randint(0, 64, (b, s), generator=g),),
+            lambda g: torch.randint(0, 64, (b, s), generator=g),
+            "ce",
+        ),
+        "mixer": (
+            lambda: Mixer(),
+            lambda g: (torch.randn(b, 8, 32, generator=g),),
+            lambda g: torch.randn(b, 8, 32, generator=g),
+            "mse",
+        ),
+        "indexing": (
+            lambda: Indexing(),
+            lambda g: (torch.randn(b, 8, 32, generator=g),),
+            lambda g: torch.randn(b, 8, 32, generator=g),
+            "mse",
+        ),
+        "elementwise": (
+            lambda: Elementwise(),
+            lambda g: (torch.randn(b, 8, 32, generator=g),),
+            lambda g: torch.randn(b, 8, 32, generator=g),
+            "mse",
+        ),
         # Hugging Face transformers models with their own init (hf_models.py)
         **{name: _hf_entry(name, b, s) for name in hf_models.NAMES},
     }
 
 
 def _hf_entry(name, b, s):
-    return (lambda: hf_models.build(name),
-            lambda g: (torch.randint(0, hf_models.VOCAB, (b, s), generator=g),),
-            lambda g: torch.randint(0, hf_models.VOCAB, (b, s), generator=g), "ce")
+    return (
+        lambda: hf_models.build(name),
+        lambda g: (torch.randint(0, hf_models.VOCAB, (b, s), generator=g),),
+        lambda g: torch.randint(0, hf_models.VOCAB, (b, s), generator=g),
+        "ce",
+    )
 
 
 def logits(out):
@@ -152,10 +195,20 @@ def run_one(model_name, mesh_name, world, bf16=False):
         meta_model = make_model()
     t0 = time.perf_counter()
     specs = [(x.shape, x.dtype) for x in inputs]
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else None
+    )
     model_name = model_name + ("+bf16" if bf16 else "")
-    with AutoParallel(meta_model, lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
-                      mesh, cost_model="h100", mp_policy=mp, executor=EXECUTOR) as autop:
+    with AutoParallel(
+        meta_model,
+        lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
+        mesh,
+        cost_model="h100",
+        mp_policy=mp,
+        executor=EXECUTOR,
+    ) as autop:
         autop.add_parameter_memory_constraint()
         autop.add_input_constraints([batch_pin])
         autop.add_output_constraints([batch_pin])
@@ -165,20 +218,28 @@ def run_one(model_name, mesh_name, world, bf16=False):
     plan_s = time.perf_counter() - t0
     if dist.get_rank() == 0:
         placed = {k: v for k, v in list(plan.params.items())[:6]}
-        print(f"---- {model_name} on {mesh_name}: planned+applied in {plan_s:.1f}s "
-              f"({ {k: round(v, 2) for k, v in plan.timings.items()} }); params {json.dumps(placed)}",
-              flush=True)
+        print(
+            f"---- {model_name} on {mesh_name}: planned+applied in {plan_s:.1f}s "
+            f"({ {k: round(v, 2) for k, v in plan.timings.items()} }); params {json.dumps(placed)}",
+            flush=True,
+        )
 
     pm.to_empty(device="cpu")
     torch.manual_seed(0)
     pm.init_weights()
     names_ref = dict(ref.named_parameters())
     assert [n for n, _ in pm.named_parameters()] == list(names_ref), "FQNs differ"
-    bad = [n for n, p in pm.named_parameters()
-           if not torch.equal(p.full_tensor(), names_ref[n].detach())]
+    bad = [
+        n
+        for n, p in pm.named_parameters()
+        if not torch.equal(p.full_tensor(), names_ref[n].detach())
+    ]
     buffers_ref = dict(ref.named_buffers())
-    bad += [n for n, b in pm.named_buffers()
-            if not torch.equal(b.full_tensor() if isinstance(b, DTensor) else b, buffers_ref[n])]
+    bad += [
+        n
+        for n, b in pm.named_buffers()
+        if not torch.equal(b.full_tensor() if isinstance(b, DTensor) else b, buffers_ref[n])
+    ]
     check(f"{model_name}/{mesh_name} init bitwise", not bad, str(bad[:3]))
 
     if COMPILE:
@@ -205,37 +266,55 @@ def run_one(model_name, mesh_name, world, bf16=False):
         exp = local_slice(ref_out.detach(), mesh, batch_pin)
         err = (out.float() - exp).abs().max().item()
         worst_out = max(worst_out, err)
-        check(f"{model_name}/{mesh_name} forward step {step}", close(out, exp, bf16),
-              f"max err {err:.2e}", quiet=os.environ.get("AP_VERBOSE") != "1")
+        check(
+            f"{model_name}/{mesh_name} forward step {step}",
+            close(out, exp, bf16),
+            f"max err {err:.2e}",
+            quiet=os.environ.get("AP_VERBOSE") != "1",
+        )
         loss_fn(kind, out, local_slice(labels, mesh, batch_pin)).backward()
         for n, p in pm.named_parameters():
             gfull = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             if gfull is None or names_ref[n].grad is None:  # unused by the forward: on both sides
-                check(f"{model_name}/{mesh_name} grad of {n} step {step}",
-                      gfull is None and names_ref[n].grad is None, "no gradient on one side only")
+                check(
+                    f"{model_name}/{mesh_name} grad of {n} step {step}",
+                    gfull is None and names_ref[n].grad is None,
+                    "no gradient on one side only",
+                )
                 continue
             e = (gfull - names_ref[n].grad).abs().max().item()
             worst_grad = max(worst_grad, e)
-            check(f"{model_name}/{mesh_name} grad of {n} step {step}",
-                  close(gfull, names_ref[n].grad, bf16) and gfull.dtype == torch.float32,
-                  f"max err {e:.2e} of {names_ref[n].grad.abs().max().item():.2e}", quiet=os.environ.get("AP_VERBOSE") != "1")
+            check(
+                f"{model_name}/{mesh_name} grad of {n} step {step}",
+                close(gfull, names_ref[n].grad, bf16) and gfull.dtype == torch.float32,
+                f"max err {e:.2e} of {names_ref[n].grad.abs().max().item():.2e}",
+                quiet=os.environ.get("AP_VERBOSE") != "1",
+            )
         for model, o in ((ref, opt_ref), (pm, opt)):  # clipping and AdamW on both sides
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             o.step()
             o.zero_grad()
     check(f"{model_name}/{mesh_name} forward x{steps}", True, f"max err {worst_out:.2e}")
-    check(f"{model_name}/{mesh_name} grads x{steps}", True, f"max err {worst_grad:.2e} (every parameter, every step)")
+    check(
+        f"{model_name}/{mesh_name} grads x{steps}",
+        True,
+        f"max err {worst_grad:.2e} (every parameter, every step)",
+    )
     if not bf16:
-        bad = [n for n, p in pm.named_parameters()
-               if not close(p.full_tensor(), names_ref[n].detach(), bf16)]
+        bad = [
+            n
+            for n, p in pm.named_parameters()
+            if not close(p.full_tensor(), names_ref[n].detach(), bf16)
+        ]
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
 
 
 def check_attention_rules(mesh_name: str) -> None:
     """`titan.sdpa` (the planner's attention op) on DTensors split by batch and by heads, the
     rules the planner plans with: no redistribution, forward and gradients equal to one process."""
-    import torchtitan.autoparallel.attention  # noqa: F401  (registers the op and its rules)
     from torch.distributed.tensor import distribute_tensor
+
+    import torchtitan.autoparallel.attention  # noqa: F401  (registers the op and its rules)
 
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -244,8 +323,11 @@ def check_attention_rules(mesh_name: str) -> None:
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = torch.ops.titan.sdpa(*ref_in, None, True, None)
     ref.backward(grad)
-    splits = [(Shard(1),), (Shard(0),)] if len(shape) == 1 else \
-        [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Shard(1))]
+    splits = (
+        [(Shard(1),), (Shard(0),)]
+        if len(shape) == 1
+        else [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Replicate(), Shard(1))]
+    )
     for pl in splits:
         ins = [distribute_tensor(t, mesh, pl).requires_grad_() for t in (q, k, v)]
         out = torch.ops.titan.sdpa(*ins, None, True, None)
@@ -254,7 +336,8 @@ def check_attention_rules(mesh_name: str) -> None:
         same = out.placements == pl and all(t.grad.placements == pl for t in ins)
         check(f"attention/{mesh_name} {tag} stays split", same, str(out.placements))
         ok = close(out.full_tensor(), ref.detach(), False) and all(
-            close(t.grad.full_tensor(), r.grad, False) for t, r in zip(ins, ref_in))
+            close(t.grad.full_tensor(), r.grad, False) for t, r in zip(ins, ref_in)
+        )
         check(f"attention/{mesh_name} {tag} forward+grads", ok)
 
 
@@ -292,9 +375,17 @@ def check_errors(mesh_name: str) -> None:
     with torch.device("meta"):
         dropout, plain = TiedLM(dropout=0.1), TiedLM()
     msg = raised_everywhere(lambda: plan(dropout))
-    check(f"errors/{mesh_name} dropout", "random op aten.native_dropout" in msg and "'blocks.0.4'" in msg, msg)
+    check(
+        f"errors/{mesh_name} dropout",
+        "random op aten.native_dropout" in msg and "'blocks.0.4'" in msg,
+        msg,
+    )
     msg = raised_everywhere(lambda: plan(plain, infeasible=True))
-    check(f"errors/{mesh_name} infeasible on every rank", "cannot all hold" in msg and "tok.weight" in msg, msg)
+    check(
+        f"errors/{mesh_name} infeasible on every rank",
+        "cannot all hold" in msg and "tok.weight" in msg,
+        msg,
+    )
     msg = raised_everywhere(lambda: plan(plain, batch=5))
     check(f"errors/{mesh_name} uneven batch", "cannot split evenly" in msg, msg)
     dropout.eval()

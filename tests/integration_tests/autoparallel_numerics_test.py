@@ -24,12 +24,27 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 CHECKS = 4  # per model and mesh: init, forward x5, grads x5, params after 5 steps
 
 
-def _torchrun(*args: str, timeout: int = 900, env: dict | None = None,
-              script: str = "autoparallel_numerics.py") -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.join(HERE, script), *args]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONHASHSEED="0", **(env or {}))  # one hash seed for all ranks, as run_train.sh
+def _torchrun(
+    *args: str,
+    timeout: int = 900,
+    env: dict | None = None,
+    script: str = "autoparallel_numerics.py",
+) -> str:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        os.path.join(HERE, script),
+        *args,
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONHASHSEED="0",
+        **(env or {}),
+    )  # one hash seed for all ranks, as run_train.sh
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     out = res.stdout
     if res.returncode != 0 or "ALL OK" not in out:
@@ -50,8 +65,10 @@ def test_mlp_gpt2_tied_mixer_indexing_elementwise_on_all_meshes():
 
 
 HF_MODELS = ("hf_llama", "hf_qwen2", "hf_mistral", "hf_gpt2", "hf_bert")
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install -e .[dev])")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -e .[dev])",
+)
 
 
 @needs_transformers
@@ -70,18 +87,25 @@ def test_hf_models_on_all_meshes():
 def test_hf_models_compiled():
     """A GQA decoder and the tied encoder through inductor, 3 steps (cold compiles are slow
     here; every family on every mesh: AP_COMPILE_TEST=1)."""
-    out = _torchrun("hf_llama,hf_bert", "dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"},
-                    timeout=1500)
+    out = _torchrun(
+        "hf_llama,hf_bert", "dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"}, timeout=1500
+    )
     assert "OK   hf_llama+compile/dp2tp2 grads x3" in out
     assert "OK   hf_bert+compile/dp2tp2 params after 3 steps" in out
 
 
 @needs_transformers
-@pytest.mark.skipif(os.environ.get("AP_COMPILE_TEST") != "1",
-                    reason="15 cold compiles on 4 ranks; set AP_COMPILE_TEST=1")
+@pytest.mark.skipif(
+    os.environ.get("AP_COMPILE_TEST") != "1",
+    reason="15 cold compiles on 4 ranks; set AP_COMPILE_TEST=1",
+)
 def test_hf_models_compiled_on_all_meshes():
-    out = _torchrun(",".join(HF_MODELS), "dp4,tp4,dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"},
-                    timeout=3600)
+    out = _torchrun(
+        ",".join(HF_MODELS),
+        "dp4,tp4,dp2tp2",
+        env={"AP_COMPILE": "1", "AP_STEPS": "3"},
+        timeout=3600,
+    )
     for model in HF_MODELS:
         assert out.count(f"OK   {model}+compile/") == 3 * (CHECKS - 1), model  # init is eager
 
@@ -130,8 +154,10 @@ def test_compiled_matches_single_process_from_step_2_on():
     assert "OK   llama+compile/dp2tp2 grads x5" in out
 
 
-@pytest.mark.skipif(os.environ.get("AP_COMPILE_TEST") != "1",
-                    reason="two more cold compiles of Llama on 4 ranks; set AP_COMPILE_TEST=1")
+@pytest.mark.skipif(
+    os.environ.get("AP_COMPILE_TEST") != "1",
+    reason="two more cold compiles of Llama on 4 ranks; set AP_COMPILE_TEST=1",
+)
 def test_compiled_llama_on_1d_meshes():
     out = _torchrun("llama", "dp4,tp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "OK   llama+compile/dp4 grads x5" in out and "OK   llama+compile/tp4 grads x5" in out

@@ -18,15 +18,29 @@ from torchtitan.tools.loss_compare import DEBUG_TOML, REPO, Run, assert_losses_c
 # Small and deterministic: enough steps and tokens to see the curve, quick on 2 cores.
 # Options given to run_training come after these, so they override them.
 FAST_ARGS = [
-    "--training.steps", "10",
-    "--training.seq_len", "64",
+    "--training.steps",
+    "10",
+    "--training.seq_len",
+    "64",
     *loss_compare.deterministic_args(seed=42),
 ]
 
 
-def run_training(nproc: int, args: list[str], dump_folder: Path, timeout: int = 600,
-                 env: dict[str, str] | None = None, inductor_cache: Path | None = None) -> Run:
+def run_training(
+    nproc: int,
+    args: list[str],
+    dump_folder: Path,
+    timeout: int = 600,
+    env: dict[str, str] | None = None,
+    inductor_cache: Path | None = None,
+) -> Run:
     """Run `python -m torchtitan.train` on `nproc` CPU ranks with the debug config,
     FAST_ARGS and then `args` (see `loss_compare.run_training` for `inductor_cache`)."""
-    return loss_compare.run_training(nproc, [*FAST_ARGS, *args], dump_folder,
-                                     timeout=timeout, env=env, inductor_cache=inductor_cache)
+    return loss_compare.run_training(
+        nproc,
+        [*FAST_ARGS, *args],
+        dump_folder,
+        timeout=timeout,
+        env=env,
+        inductor_cache=inductor_cache,
+    )

@@ -12,8 +12,6 @@ shrunk the same way (`tiny_config`; nested text configs too), built by the
 
 from __future__ import annotations
 
-import torch
-
 VOCAB = 128
 NAMES = ("hf_llama", "hf_qwen2", "hf_mistral", "hf_gpt2", "hf_bert")
 
@@ -29,9 +27,18 @@ def available() -> bool:
 def config(name: str):
     import transformers as T
 
-    decoder = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                   use_cache=False, bos_token_id=1, eos_token_id=2)
+    decoder = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if name == "hf_llama":
         cfg = T.LlamaConfig(**decoder)
     elif name == "hf_qwen2":
@@ -39,13 +46,31 @@ def config(name: str):
     elif name == "hf_mistral":
         cfg = T.MistralConfig(**decoder)
     elif name == "hf_gpt2":  # LM head tied to the token embedding
-        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                           use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                           bos_token_id=1, eos_token_id=2)
+        cfg = T.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     elif name == "hf_bert":  # encoder; MLM decoder tied to the word embedding; padding row
-        cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+        cfg = T.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        )
     else:
         raise KeyError(name)
     cfg._attn_implementation = "sdpa"
@@ -57,21 +82,42 @@ def build(name: str):
 
     if name.startswith("hf:"):
         return build_family(name[3:])
-    classes = {"hf_llama": T.LlamaForCausalLM, "hf_qwen2": T.Qwen2ForCausalLM,
-               "hf_mistral": T.MistralForCausalLM, "hf_gpt2": T.GPT2LMHeadModel,
-               "hf_bert": T.BertForMaskedLM}
+    classes = {
+        "hf_llama": T.LlamaForCausalLM,
+        "hf_qwen2": T.Qwen2ForCausalLM,
+        "hf_mistral": T.MistralForCausalLM,
+        "hf_gpt2": T.GPT2LMHeadModel,
+        "hf_bert": T.BertForMaskedLM,
+    }
     return classes[name](config(name))
-
 
 
 # sizes shrunk in any config that has them (most decoders name them alike; attribute_map
 # translates for the others), and every dropout set to 0
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=16,
-             use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    head_dim=16,
+    use_cache=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # set only where the config has them: partial rotary, latent attention (MLA)
-_TINY_IF_PRESENT = dict(rotary_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        kv_lora_rank=32, q_lora_rank=32, moe_intermediate_size=64)
+_TINY_IF_PRESENT = dict(
+    rotary_dim=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    moe_intermediate_size=64,
+)
 
 
 def _shrink(cfg) -> None:

@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan.distributed.sharded_init import exact_sharded_init
 
@@ -42,7 +42,9 @@ def embedding_reset(m):  # nn.Embedding.reset_parameters with padding_idx=3
         m.weight[3].fill_(0)
 
 
-def hf_style(m):  # transformers' _init_weights: normal, then zeros_ on the padding row; a copied buffer
+def hf_style(
+    m,
+):  # transformers' _init_weights: normal, then zeros_ on the padding row; a copied buffer
     m.weight.data.normal_(mean=0.0, std=0.02)
     nn.init.zeros_(m.weight[5])
     m.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)))
@@ -65,8 +67,12 @@ def indexed_writes(m):  # index_put_ with tensor indices, masked_fill_
     m.inv_freq.copy_(torch.linspace(0, 1, 8))
 
 
-CASES = {"embedding_reset": embedding_reset, "hf_style": hf_style,
-         "slice_writes": slice_writes, "indexed_writes": indexed_writes}
+CASES = {
+    "embedding_reset": embedding_reset,
+    "hf_style": hf_style,
+    "slice_writes": slice_writes,
+    "indexed_writes": indexed_writes,
+}
 
 
 def placements(ndim: int):
@@ -113,7 +119,9 @@ def run_refusal() -> None:
         msg = ""
     except RuntimeError as e:
         msg = str(e)
-    check("init/refusal names the parameter", "sharded init" in msg and "'weight'" in msg, msg[:200])
+    check(
+        "init/refusal names the parameter", "sharded init" in msg and "'weight'" in msg, msg[:200]
+    )
 
 
 def main() -> None:

@@ -31,15 +31,24 @@ from torchtitan.autoparallel.strategies import _tensor_input_nodes, build_strate
 from torchtitan.autoparallel.trace import trace_joint  # noqa: E402
 
 aten = torch.ops.aten
-INDEXING_OPS = {aten.index.Tensor, aten.index_put.default, aten.gather.default,
-                aten.scatter_add.default, aten.scatter.src, aten.scatter.value,
-                aten.index_select.default, aten._unsafe_index_put.default}
+INDEXING_OPS = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.gather.default,
+    aten.scatter_add.default,
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.index_select.default,
+    aten._unsafe_index_put.default,
+}
 
 
 def node_values(tg, model: torch.nn.Module, x: torch.Tensor) -> dict[fx.Node, torch.Tensor]:
     """Run the joint graph in one process on real tensors; the value of every node."""
     by_node = {n: p for f, n in tg.params.items() for fq, p in model.named_parameters() if fq == f}
-    by_node.update({n: b for f, n in tg.buffers.items() for fq, b in model.named_buffers() if fq == f})
+    by_node.update(
+        {n: b for f, n in tg.buffers.items() for fq, b in model.named_buffers() if fq == f}
+    )
     by_node[tg.inputs[0]] = x
     g = torch.Generator().manual_seed(3)
     for t in tg.tangents:
@@ -86,14 +95,19 @@ def check_node(node: fx.Node, ns, env, mesh) -> tuple[int, int, list[str]]:
                 return type(a)(arg(x) for x in a)
             return a
 
-        out = node.target(*[arg(a) for a in node.args], **{k: arg(v) for k, v in node.kwargs.items()})
+        out = node.target(
+            *[arg(a) for a in node.args], **{k: arg(v) for k, v in node.kwargs.items()}
+        )
         expect = env[node]
-        got = DTensor.from_local(out, mesh, st.out[0], run_check=False,
-                                 shape=expect.shape, stride=expect.stride()).full_tensor()
+        got = DTensor.from_local(
+            out, mesh, st.out[0], run_check=False, shape=expect.shape, stride=expect.stride()
+        ).full_tensor()
         checked += 1
         sharded += any(isinstance(p, Shard) for pl in st.ins for p in pl)
         if not torch.allclose(got, expect, atol=1e-6, rtol=1e-6):
-            bad.append(f"ins {st.ins} out {st.out[0]}: max err {(got - expect).abs().max().item():.2e}")
+            bad.append(
+                f"ins {st.ins} out {st.out[0]}: max err {(got - expect).abs().max().item():.2e}"
+            )
     return checked, sharded, bad
 
 
@@ -120,12 +134,23 @@ def main() -> None:
             counts[0] += checked
             counts[1] += sharded
         for op, (checked, sharded) in sorted(per_op.items()):
-            check(f"strategies/{'x'.join(map(str, shape))} {op}", sharded > 0,
-                  f"{checked} strategies equal one process, {sharded} with a sharded input")
+            check(
+                f"strategies/{'x'.join(map(str, shape))} {op}",
+                sharded > 0,
+                f"{checked} strategies equal one process, {sharded} with a sharded input",
+            )
         ops = set(per_op)
-        check(f"strategies/{'x'.join(map(str, shape))} covers index, index_put, gather, scatter_add",
-              {"aten.index.Tensor", "aten.index_put.default", "aten.gather.default",
-               "aten.scatter_add.default"} <= ops, str(sorted(ops)))
+        check(
+            f"strategies/{'x'.join(map(str, shape))} covers index, index_put, gather, scatter_add",
+            {
+                "aten.index.Tensor",
+                "aten.index_put.default",
+                "aten.gather.default",
+                "aten.scatter_add.default",
+            }
+            <= ops,
+            str(sorted(ops)),
+        )
 
 
 if __name__ == "__main__":

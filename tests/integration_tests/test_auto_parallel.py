@@ -13,8 +13,8 @@ import re
 import shutil
 
 import pytest
-
 from harness import REPO, run_training
+
 from torchtitan.tools.loss_compare import assert_losses_close, read_golden
 
 GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
@@ -60,23 +60,32 @@ def test_resume_is_bitwise_and_plan_is_reused(dp2_tp2_run, tmp_path):
 
 
 def test_manual_llama3_continues_from_auto_checkpoint(dp2_tp2_run, tmp_path):
-    shutil.copytree(dp2_tp2_run.dump_folder / "checkpoint" / "step-5",
-                    tmp_path / "checkpoint" / "step-5")
+    shutil.copytree(
+        dp2_tp2_run.dump_folder / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5"
+    )
     manual = run_training(
-        4, ["--model.name", "llama3", *MESHES["dp2_tp2"], *CKPT], tmp_path).check()
+        4, ["--model.name", "llama3", *MESHES["dp2_tp2"], *CKPT], tmp_path
+    ).check()
     assert "loaded checkpoint step-5" in manual.output
     full = dp2_tp2_run.losses()
     losses = manual.losses()
-    assert_losses_close({s: losses[s] for s in range(6, 11)}, {s: full[s] for s in range(6, 11)},
-                        rtol=1e-4, what="manual llama3 from auto checkpoint vs auto")
+    assert_losses_close(
+        {s: losses[s] for s in range(6, 11)},
+        {s: full[s] for s in range(6, 11)},
+        rtol=1e-4,
+        what="manual llama3 from auto checkpoint vs auto",
+    )
 
 
 COLLECTIVE_CALL = r"_c10d_functional\.{}(?:_out)?\.default\("
 COMMS_KNOBS = [
-    "--compile.bucket_all_gathers_fx", "all",
-    "--compile.bucket_reduce_scatters_fx", "all",
+    "--compile.bucket_all_gathers_fx",
+    "all",
+    "--compile.bucket_reduce_scatters_fx",
+    "all",
     "--compile.reorder_for_compute_comm_overlap",
-    "--compile.reorder_for_compute_comm_overlap_passes", "sink_waits_iterative",
+    "--compile.reorder_for_compute_comm_overlap_passes",
+    "sink_waits_iterative",
 ]
 
 
@@ -96,16 +105,21 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
     base = [*AUTO, *MESHES["dp4"], "--compile.enable", "--compile.force_disable_caches"]
     env = {"TORCH_LOGS": "output_code"}
     plain = run_training(4, [*base, "--training.steps", "2"], tmp_path / "plain", env=env).check()
-    tuned = run_training(4, [*base, *COMMS_KNOBS, "--training.steps", "4"], tmp_path / "tuned",
-                         env=env).check()
+    tuned = run_training(
+        4, [*base, *COMMS_KNOBS, "--training.steps", "4"], tmp_path / "tuned", env=env
+    ).check()
     gathers = [_collective_calls(r.output, "all_gather_into_tensor") for r in (plain, tuned)]
     assert gathers[0] > 0 and gathers[1] < gathers[0], gathers
     assert "inductor comms settings" in tuned.output
     # 4 steps (compile dominates the cost): the LR schedule of a 4-step run differs from
     # the 10-step golden run from step 3 on, which first shows in step 4's loss.
     losses = tuned.losses()
-    assert_losses_close({s: losses[s] for s in (1, 2, 3)}, {s: GOLDEN[s] for s in (1, 2, 3)},
-                        rtol=1e-4, what="compiled auto dp4 + knobs vs 1 rank")
+    assert_losses_close(
+        {s: losses[s] for s in (1, 2, 3)},
+        {s: GOLDEN[s] for s in (1, 2, 3)},
+        rtol=1e-4,
+        what="compiled auto dp4 + knobs vs 1 rank",
+    )
 
 
 def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
@@ -113,7 +127,18 @@ def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
     executor's per-unit buckets must not issue more collectives than FSDP2's per-block ones."""
     counts = {}
     for name in ("llama3", "llama3_auto_parallel"):
-        run = run_training(4, ["--model.name", name, *MESHES["dp4"], "--training.steps", "3",
-                               "--metrics.count_collectives_step", "3"], tmp_path / name).check()
+        run = run_training(
+            4,
+            [
+                "--model.name",
+                name,
+                *MESHES["dp4"],
+                "--training.steps",
+                "3",
+                "--metrics.count_collectives_step",
+                "3",
+            ],
+            tmp_path / name,
+        ).check()
         counts[name] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
     assert 0 < counts["llama3_auto_parallel"] <= counts["llama3"], counts

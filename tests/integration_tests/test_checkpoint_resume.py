@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import assert_losses_close, run_training
+
 from torchtitan.components.checkpoint import KILL_ENV, SafeReader
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
@@ -27,9 +27,14 @@ GLOBAL_BATCH = 4
 def batch_args(nproc: int, tp: int = 1) -> list[str]:
     """Local batch so that the global batch is GLOBAL_BATCH on `nproc` ranks."""
     dp = nproc // tp
-    return ["--training.local_batch_size", str(GLOBAL_BATCH // dp),
-            "--training.global_batch_size", str(GLOBAL_BATCH),
-            "--parallelism.tensor_parallel_degree", str(tp)]
+    return [
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // dp),
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+    ]
 
 
 def steps(losses: dict[int, float], first: int, last: int) -> dict[int, float]:
@@ -55,7 +60,9 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
     expected = reference_losses(reference)
     assert sorted(p.name for p in (reference / "checkpoint").iterdir()) == ["step-10", "step-5"]
 
-    first = run_training(2, CKPT + batch_args(2) + ["--training.stop_at_step", "5"], tmp_path).check()
+    first = run_training(
+        2, CKPT + batch_args(2) + ["--training.stop_at_step", "5"], tmp_path
+    ).check()
     assert first.losses() == steps(expected, 1, 5)
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-5"]
 
@@ -71,8 +78,12 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
 
     # The next job reports the half-written checkpoint, resumes from step 5 and finishes
     # (saving step 10 asynchronously: close() must wait for it).
-    again = run_training(2, CKPT + batch_args(2) + ["--checkpoint.async_mode", "async"], tmp_path).check()
-    assert re.search(rf"incomplete checkpoint \S*{re.escape(partial[0])}", again.output), again.output[-3000:]
+    again = run_training(
+        2, CKPT + batch_args(2) + ["--checkpoint.async_mode", "async"], tmp_path
+    ).check()
+    assert re.search(rf"incomplete checkpoint \S*{re.escape(partial[0])}", again.output), (
+        again.output[-3000:]
+    )
     assert "loaded checkpoint step-5" in again.output
     assert "loaded checkpoint step-10" not in again.output
     assert again.losses() == expected
@@ -102,7 +113,9 @@ def test_reshard_dp2_to_one_rank_and_export(reference, tmp_path):
 def tp_checkpoint(reference, tmp_path_factory) -> Path:
     """Steps 1-5 on dp2 × tp2 (4 ranks); their losses match the dp2 reference."""
     dump = tmp_path_factory.mktemp("tp")
-    run = run_training(4, CKPT + batch_args(4, tp=2) + ["--training.stop_at_step", "5"], dump).check()
+    run = run_training(
+        4, CKPT + batch_args(4, tp=2) + ["--training.stop_at_step", "5"], dump
+    ).check()
     assert_losses_close(run.losses(), steps(reference_losses(reference), 1, 5), rtol=1e-4)
     return dump / "checkpoint" / "step-5"
 
@@ -116,9 +129,18 @@ def test_reshard_dp2_tp2_to(nproc, reference, tp_checkpoint, tmp_path):
 def test_initial_load_path_model_only(reference, tmp_path):
     """A fresh job starts from the reference's final weights: step 1 only, no resume."""
     source = reference / "checkpoint" / "step-10"
-    run = run_training(1, CKPT + batch_args(1) + [
-        "--checkpoint.initial_load_path", str(source), "--training.stop_at_step", "1",
-    ], tmp_path).check()
+    run = run_training(
+        1,
+        CKPT
+        + batch_args(1)
+        + [
+            "--checkpoint.initial_load_path",
+            str(source),
+            "--training.stop_at_step",
+            "1",
+        ],
+        tmp_path,
+    ).check()
     assert f"loaded initial_load_path (model weights only) from {source}" in run.output
     losses = run.losses()
     assert list(losses) == [1]  # the step counter was not restored
@@ -130,5 +152,7 @@ def test_bad_initial_load_path_is_one_line_error(tmp_path):
     run = run_training(1, CKPT + ["--checkpoint.initial_load_path", str(bad)], tmp_path / "dump")
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(bad) in errors[0] and "initial_load_path" in errors[0], run.output[-3000:]
+    assert len(errors) == 1 and str(bad) in errors[0] and "initial_load_path" in errors[0], (
+        run.output[-3000:]
+    )
     assert "torchtitan/components/checkpoint.py" not in run.output  # no traceback from us

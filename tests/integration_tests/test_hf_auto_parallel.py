@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 import torch
-
 from harness import REPO, run_training
+
 from torchtitan.components.checkpoint import read_keys
 from torchtitan.tools.loss_compare import assert_losses_close
 
@@ -60,8 +60,9 @@ def test_checkpoint_has_hf_names_and_loads_into_transformers(dp2_tp2_run):
 
 
 def test_resume_from_step5_is_bitwise(dp2_tp2_run, tmp_path):
-    shutil.copytree(dp2_tp2_run.dump_folder / "checkpoint" / "step-5",
-                    tmp_path / "checkpoint" / "step-5")
+    shutil.copytree(
+        dp2_tp2_run.dump_folder / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5"
+    )
     resumed = run_training(4, [*HF, *DP2_TP2, *CKPT], tmp_path).check()
     assert "loaded checkpoint step-5" in resumed.output
     full, losses = dp2_tp2_run.losses(), resumed.losses()
@@ -75,8 +76,9 @@ def _error_line(run) -> str:
 
 
 def test_bad_config_path_is_one_error_line(tmp_path):
-    run = run_training(1, ["--model.name", "hf_auto_parallel", "--model.flavor", "meta-llama/Llama-3-8B"],
-                       tmp_path)
+    run = run_training(
+        1, ["--model.name", "hf_auto_parallel", "--model.flavor", "meta-llama/Llama-3-8B"], tmp_path
+    )
     line = _error_line(run)
     assert "'meta-llama/Llama-3-8B' is not a local Hugging Face config" in line
     assert "never downloaded" in line
@@ -87,6 +89,7 @@ def test_tokenizer_larger_than_vocab_is_one_error_line(tmp_path):
     small.mkdir()
     text = (CONFIG / "config.json").read_text().replace('"vocab_size": 2000', '"vocab_size": 1000')
     (small / "config.json").write_text(text)
-    run = run_training(1, ["--model.name", "hf_auto_parallel", "--model.flavor", str(small)],
-                       tmp_path / "out")
+    run = run_training(
+        1, ["--model.name", "hf_auto_parallel", "--model.flavor", str(small)], tmp_path / "out"
+    )
     assert "the tokenizer has 2000 tokens but" in _error_line(run)

@@ -23,43 +23,81 @@ FAST = ["--training.seq_len", "64", "--training.seed", "1", "--lr_scheduler.warm
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=str(REPO / "tests" / "assets" / "custom_specs"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONPATH=str(REPO / "tests" / "assets" / "custom_specs"),
+    )
     env.pop("TORCHTITAN_ERROR_DIR", None)
     env.update(extra)
     return env
 
 
 def _launch_cmd(dump: Path, *args: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torchtitan.launch", "--nproc", str(nproc), "--config-file",
-            str(DEBUG_TOML), "--", "--job.dump_folder", str(dump), *FAST, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torchtitan.launch",
+        "--nproc",
+        str(nproc),
+        "--config-file",
+        str(DEBUG_TOML),
+        "--",
+        "--job.dump_folder",
+        str(dump),
+        *FAST,
+        *args,
+    ]
 
 
 def _launch(dump: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_launch_cmd(dump, *args), cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        _launch_cmd(dump, *args), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
 
 
-@pytest.mark.parametrize("spec, line", [
-    ("fails_on_rank1", "rank 1 failed: RuntimeError: boom on rank 1 (traceback: {logs}/error_rank1.log)"),
-    ("refuses_on_rank1", "--model.flavor: rank 1 refuses it"),
-])
+@pytest.mark.parametrize(
+    "spec, line",
+    [
+        (
+            "fails_on_rank1",
+            "rank 1 failed: RuntimeError: boom on rank 1 (traceback: {logs}/error_rank1.log)",
+        ),
+        ("refuses_on_rank1", "--model.flavor: rank 1 refuses it"),
+    ],
+)
 def test_a_rank_failure_is_one_line_from_that_rank(spec, line, tmp_path):
-    proc = _launch(tmp_path, "--training.steps", "2", "--experimental.custom_import",
-                   "failing_specs", "--model.name", spec)
+    proc = _launch(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--experimental.custom_import",
+        "failing_specs",
+        "--model.name",
+        spec,
+    )
     logs = tmp_path / "logs"
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert _error_lines(proc) == ["error: " + line.format(logs=logs)]  # rank 1 is not shown
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "ChildFailedError" not in proc.stdout + proc.stderr
-    assert (logs / "error_rank1.log").read_text().rstrip().endswith(
-        "RuntimeError: boom on rank 1" if spec == "fails_on_rank1"
-        else "UserInputError: --model.flavor: rank 1 refuses it")
+    assert (
+        (logs / "error_rank1.log")
+        .read_text()
+        .rstrip()
+        .endswith(
+            "RuntimeError: boom on rank 1"
+            if spec == "fails_on_rank1"
+            else "UserInputError: --model.flavor: rank 1 refuses it"
+        )
+    )
     assert json.loads((logs / "error_rank1.json").read_text())["rank"] == 1
     assert "failed (exitcode: 2) local_rank: 1" in (logs / "launcher.log").read_text()
 
@@ -87,17 +125,28 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("sig, pattern", [
-    # stopped: its peers time out after the first step, the stopped rank is killed
-    (signal.SIGSTOP, r"rank 0 failed: CollectiveTimeoutError: step \d+: a collective waited "
-                     r"longer than --comm\.train_timeout_seconds 5; another rank stalled or died"),
-    # killed (as by the OOM killer): no report of its own, yet it is the rank named
-    (signal.SIGKILL, r"rank 1 died \(signal SIGKILL\) without an error report"),
-])
+@pytest.mark.parametrize(
+    "sig, pattern",
+    [
+        # stopped: its peers time out after the first step, the stopped rank is killed
+        (
+            signal.SIGSTOP,
+            r"rank 0 failed: CollectiveTimeoutError: step \d+: a collective waited "
+            r"longer than --comm\.train_timeout_seconds 5; another rank stalled or died",
+        ),
+        # killed (as by the OOM killer): no report of its own, yet it is the rank named
+        (signal.SIGKILL, r"rank 1 died \(signal SIGKILL\) without an error report"),
+    ],
+)
 def test_a_stopped_or_killed_rank_ends_the_job_soon_naming_the_cause(sig, pattern, tmp_path):
     proc = subprocess.Popen(
         _launch_cmd(tmp_path, "--training.steps", "1000", "--comm.train_timeout_seconds", "5"),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(lambda: "step:  3" in _rank_output(tmp_path, 0), 180, "step 3")
         rank1 = _rank_pid(proc.pid, 1)

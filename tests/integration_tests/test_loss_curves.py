@@ -18,8 +18,8 @@ Run: .venv/bin/python -m pytest tests/integration_tests/test_loss_curves.py -v
 from __future__ import annotations
 
 import pytest
-
 from harness import REPO, run_training
+
 from torchtitan.tools.loss_compare import assert_losses_close, read_golden
 
 GOLDEN = REPO / "tests/assets/losses/llama3_cpu_1rank.txt"
@@ -45,18 +45,31 @@ AC_VARIANTS = {
     "sel_op": [AC, "selective", "--activation_checkpoint.selective_ac_option", "op"],
     "sel_2": [AC, "selective", "--activation_checkpoint.selective_ac_option", "2"],
 }
-AC_OF_MESH = {"fsdp4": "full", "tp4": "sel_op", "fsdp2_tp2": "sel_2",
-              "hsdp2x2": "full", "ddp4": "sel_op"}
+AC_OF_MESH = {
+    "fsdp4": "full",
+    "tp4": "sel_op",
+    "fsdp2_tp2": "sel_2",
+    "hsdp2x2": "full",
+    "ddp4": "sel_op",
+}
 
-CONFIGS = [
-    pytest.param(dp, [*opts, AC, "none"], id=f"{name}-ac_none")
-    for name, (dp, opts) in MESHES.items()
-] + [
-    pytest.param(dp, [*opts, *AC_VARIANTS[AC_OF_MESH[name]]], id=f"{name}-ac_{AC_OF_MESH[name]}")
-    for name, (dp, opts) in MESHES.items()
-] + [
-    pytest.param(2, [*MESHES["fsdp2_tp2"][1], AC, "none", "--compile.enable"], id="fsdp2_tp2-compile"),
-]
+CONFIGS = (
+    [
+        pytest.param(dp, [*opts, AC, "none"], id=f"{name}-ac_none")
+        for name, (dp, opts) in MESHES.items()
+    ]
+    + [
+        pytest.param(
+            dp, [*opts, *AC_VARIANTS[AC_OF_MESH[name]]], id=f"{name}-ac_{AC_OF_MESH[name]}"
+        )
+        for name, (dp, opts) in MESHES.items()
+    ]
+    + [
+        pytest.param(
+            2, [*MESHES["fsdp2_tp2"][1], AC, "none", "--compile.enable"], id="fsdp2_tp2-compile"
+        ),
+    ]
+)
 
 
 def local_batch(dp: int) -> list[str]:
@@ -72,8 +85,9 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def test_reference_matches_golden(reference):
-    assert_losses_close(reference, read_golden(GOLDEN), rtol=1e-5,
-                        what=f"1-rank run vs {GOLDEN.name}")
+    assert_losses_close(
+        reference, read_golden(GOLDEN), rtol=1e-5, what=f"1-rank run vs {GOLDEN.name}"
+    )
 
 
 def test_reference_learns(reference):
@@ -86,5 +100,6 @@ def test_4rank_matches_1rank(reference, dp, options, tmp_path, request):
     # run_training keeps one per rank inside it).
     cache = INDUCTOR_CACHE / request.node.callspec.id
     run = run_training(4, [*options, *local_batch(dp)], tmp_path, inductor_cache=cache).check()
-    assert_losses_close(run.losses(), reference, rtol=1e-4,
-                        what=f"4 ranks {' '.join(options)} vs 1 rank")
+    assert_losses_close(
+        run.losses(), reference, rtol=1e-4, what=f"4 ranks {' '.join(options)} vs 1 rank"
+    )

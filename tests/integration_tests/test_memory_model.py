@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from harness import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -28,8 +27,9 @@ MESH = "dp2tp2"
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    run, results = memory_model.launch([MESH], workdir=tmp_path_factory.mktemp("memory_model"),
-                                       timeout=300)
+    run, results = memory_model.launch(
+        [MESH], workdir=tmp_path_factory.mktemp("memory_model"), timeout=300
+    )
     run.check()  # ranks leave through barrier + os._exit: any non-zero exit is a real failure
     (res,) = results
     assert [r["rank"] for r in res["ranks"]] == [0, 1, 2, 3]
@@ -42,19 +42,27 @@ def test_parameters_gradients_optimizer_state_match_exactly(measured):
         pred, m = r["predicted"], r["measured"]
         for term in ("param", "grad", "optim"):
             assert m[f"{term}_bytes"] == pytest.approx(pred[f"{term}_bytes_per_rank"], rel=0.02), (
-                f"rank {r['rank']}: {term}")
+                f"rank {r['rank']}: {term}"
+            )
         assert m["left_after_step"] < 2**16, (
-            f"rank {r['rank']} leaks {m['left_after_step']} bytes a step")
+            f"rank {r['rank']} leaks {m['left_after_step']} bytes a step"
+        )
 
 
 def test_peak_within_20_percent_of_prediction_on_every_rank(measured):
     report = memory_model.format_result(measured)
-    bad = [f"rank {r['rank']}: {memory_model.ratio(r):.2f}" for r in measured["ranks"]
-           if not memory_model.within(memory_model.ratio(r))]
-    assert not bad, (f"measured/predicted peak outside 1 +- {memory_model.TOLERANCE:.0%} "
-                     f"({', '.join(bad)})\n{report}")
+    bad = [
+        f"rank {r['rank']}: {memory_model.ratio(r):.2f}"
+        for r in measured["ranks"]
+        if not memory_model.within(memory_model.ratio(r))
+    ]
+    assert not bad, (
+        f"measured/predicted peak outside 1 +- {memory_model.TOLERANCE:.0%} "
+        f"({', '.join(bad)})\n{report}"
+    )
     for r in measured["ranks"]:  # the check means something: without activations it would fail
         pred = r["predicted"]
         without = pred["peak_bytes_per_rank"] - pred["activation_bytes_per_rank"]
         assert not memory_model.within(r["measured"]["peak_bytes"] / without), (
-            f"rank {r['rank']}: a prediction without activations would pass too\n{report}")
+            f"rank {r['rank']}: a prediction without activations would pass too\n{report}"
+        )

@@ -32,8 +32,9 @@ def test_step_leaves_no_tensor_cycles(one_rank_mesh):
     args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=8)
     with torch.device("meta"):
         model = Transformer(args)
-    with AutoParallel(model, lambda: torch.randint(0, 64, (2, 8)), one_rank_mesh,
-                      cost_model="cpu") as autop:
+    with AutoParallel(
+        model, lambda: torch.randint(0, 64, (2, 8)), one_rank_mesh, cost_model="cpu"
+    ) as autop:
         autop.add_input_constraints([[Shard(0)]])
         autop.add_output_constraints([[Shard(0)]])
         parallel = autop.apply_placement(autop.optimize_placement())

@@ -18,7 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components import checkpoint as ckpt
-from torchtitan.components.checkpoint import CheckpointManager, SafeLoadPlanner, SafeReader, verify_checkpoint
+from torchtitan.components.checkpoint import (
+    CheckpointManager,
+    SafeLoadPlanner,
+    SafeReader,
+    verify_checkpoint,
+)
 from torchtitan.components.lr_scheduler import build_lr_schedulers, lr_factor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.errors import UserInputError
@@ -53,18 +58,31 @@ class Loader:
 
 
 def job(tmp_path: Path, **checkpoint) -> SimpleNamespace:
-    fields = dict(enable=True, folder="checkpoint", interval=5, keep_latest_k=10, initial_load_path=None,
-                  initial_load_model_only=True, last_save_model_only=False, export_dtype="float32",
-                  async_mode="disabled", load_step=-1)
+    fields = dict(
+        enable=True,
+        folder="checkpoint",
+        interval=5,
+        keep_latest_k=10,
+        initial_load_path=None,
+        initial_load_model_only=True,
+        last_save_model_only=False,
+        export_dtype="float32",
+        async_mode="disabled",
+        load_step=-1,
+    )
     fields.update(checkpoint)
-    return SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path)), checkpoint=SimpleNamespace(**fields))
+    return SimpleNamespace(
+        job=SimpleNamespace(dump_folder=str(tmp_path)), checkpoint=SimpleNamespace(**fields)
+    )
 
 
 def manager(tmp_path: Path, seed: int = 0, **checkpoint):
     torch.manual_seed(seed)
     model = nn.Linear(4, 3)
     sched, loader, train = Counter(), Loader(), Counter()
-    m = CheckpointManager(loader, [model], Counter(), sched, {"train_state": train}, job(tmp_path, **checkpoint))
+    m = CheckpointManager(
+        loader, [model], Counter(), sched, {"train_state": train}, job(tmp_path, **checkpoint)
+    )
     return m, model, loader, train
 
 
@@ -188,7 +206,9 @@ def test_async_save_completes_on_close(tmp_path):
     with torch.no_grad():
         model.weight.add_(1.0)  # training goes on while the save is written
     m.close()
-    assert verify_checkpoint(tmp_path / "checkpoint" / "step-5", strict=True) is None  # has a manifest
+    assert (
+        verify_checkpoint(tmp_path / "checkpoint" / "step-5", strict=True) is None
+    )  # has a manifest
     m2, model2, _, train2 = manager(tmp_path, seed=1)
     assert m2.load() and train2.value == 5 and torch.equal(model2.weight, expected)
 
@@ -235,7 +255,7 @@ def saved_5_and_10(tmp_path: Path) -> Path:
 def flip_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
     path.write_bytes(bytes(data))
 
 
@@ -247,7 +267,7 @@ def flip_weight_bytes(shard: Path) -> None:
     data = bytearray(shard.read_bytes())
     at = data.find(raw)
     assert at >= 0 and data.find(raw, at + 1) < 0
-    data[at:at + len(raw)] = bytes(b ^ 0xFF for b in raw)
+    data[at : at + len(raw)] = bytes(b ^ 0xFF for b in raw)
     shard.write_bytes(bytes(data))
 
 
@@ -272,9 +292,12 @@ def test_manifest_lists_every_file_by_content(tmp_path):
     assert names == [".metadata", "__0_0.distcp", "checksums.json"]  # no temporary left behind
     assert manifest["hash"] == "blake2b-256"
     assert manifest["files"] == {
-        name: {"size": (folder / name).stat().st_size,
-               "blake2b": hashlib.blake2b((folder / name).read_bytes(), digest_size=32).hexdigest()}
-        for name in names if name != "checksums.json"
+        name: {
+            "size": (folder / name).stat().st_size,
+            "blake2b": hashlib.blake2b((folder / name).read_bytes(), digest_size=32).hexdigest(),
+        }
+        for name in names
+        if name != "checksums.json"
     }
     assert verify_checkpoint(folder, strict=True) is None
 
@@ -284,14 +307,22 @@ def test_corrupt_checkpoint_falls_back_with_one_warning(kind, tmp_path, caplog):
     name, corrupt, reason = CORRUPTIONS[kind]
     folder = saved_5_and_10(tmp_path)
     corrupt(folder / name)
-    assert re.fullmatch(reason + ".*", verify_checkpoint(folder) or "")  # no torch.distributed needed
+    assert re.fullmatch(
+        reason + ".*", verify_checkpoint(folder) or ""
+    )  # no torch.distributed needed
     m2, _, _, train2 = manager(tmp_path)
     with caplog.at_level("WARNING", logger=ckpt.logger.name):
         assert m2.load()
     assert train2.value == 5
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == ckpt.logger.name]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and r.name == ckpt.logger.name
+    ]
     assert len(warnings) == 1, warnings
-    assert re.fullmatch(rf"checkpoint {re.escape(str(folder))}: {reason}.*; falling back to step-5", warnings[0])
+    assert re.fullmatch(
+        rf"checkpoint {re.escape(str(folder))}: {reason}.*; falling back to step-5", warnings[0]
+    )
     assert folder.is_dir()  # reported, not deleted: the folder is the user's to inspect
 
 
@@ -324,8 +355,11 @@ def test_load_step_of_corrupt_checkpoint_is_user_error(tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert re.fullmatch(
-        rf"--checkpoint.load_step 10: checkpoint {re.escape(str(folder))} is corrupt: __0_0.distcp size \d+ "
-        r"!= \d+ \(truncated\?\); pick another step \(found: 5\) or delete that folder", message)
+        rf"--checkpoint.load_step 10: checkpoint {re.escape(str(folder))} is corrupt: "
+        r"__0_0.distcp size \d+ "
+        r"!= \d+ \(truncated\?\); pick another step \(found: 5\) or delete that folder",
+        message,
+    )
     m2, _, _, train2 = manager(tmp_path)
     assert m2.load(step=5) and train2.value == 5  # the other step is fine
 
@@ -333,7 +367,9 @@ def test_load_step_of_corrupt_checkpoint_is_user_error(tmp_path):
 def test_corrupt_initial_load_path_is_user_error(tmp_path):
     folder = saved_5_and_10(tmp_path)
     flip_bytes(folder / "__0_0.distcp")
-    with pytest.raises(UserInputError, match="initial_load_path .*corrupt checkpoint: __0_0.distcp checksum"):
+    with pytest.raises(
+        UserInputError, match="initial_load_path .*corrupt checkpoint: __0_0.distcp checksum"
+    ):
         manager(tmp_path / "other", initial_load_path=str(folder))[0].load()
 
 
@@ -347,7 +383,10 @@ def test_checkpoint_from_before_checksums_loads_unverified(tmp_path, monkeypatch
     with caplog.at_level("WARNING", logger=ckpt.logger.name):
         assert m2.load()
     assert train2.value == 10
-    assert f"checkpoint {folder}: no checksums.json" in caplog.text and "loading it unverified" in caplog.text
+    assert (
+        f"checkpoint {folder}: no checksums.json" in caplog.text
+        and "loading it unverified" in caplog.text
+    )
 
 
 # ---- the learning rate after a resume --------------------------------------------------------
@@ -359,15 +398,25 @@ def trainer(tmp_path: Path, steps: int, warmup: int, lr: float):
     model = nn.Linear(4, 3)
     cfg = SimpleNamespace(
         training=SimpleNamespace(steps=steps),
-        lr_scheduler=SimpleNamespace(warmup_steps=warmup, decay_ratio=None, decay_type="linear",
-                                     min_lr_factor=0.0),
-        optimizer=SimpleNamespace(name="AdamW", lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
-                                  implementation="foreach"),
+        lr_scheduler=SimpleNamespace(
+            warmup_steps=warmup, decay_ratio=None, decay_type="linear", min_lr_factor=0.0
+        ),
+        optimizer=SimpleNamespace(
+            name="AdamW",
+            lr=lr,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.0,
+            implementation="foreach",
+        ),
     )
     opts = build_optimizers([model], cfg)
     sched = build_lr_schedulers(opts, cfg)
     train = Counter()
-    m = CheckpointManager(Loader(), [model], opts, sched, {"train_state": train}, job(tmp_path, interval=100))
+    m = CheckpointManager(
+        Loader(), [model], opts, sched, {"train_state": train}, job(tmp_path, interval=100)
+    )
     return m, model, opts, sched, train
 
 
@@ -378,7 +427,9 @@ def train_step(model, opts, sched) -> None:
     sched.step()
 
 
-@pytest.mark.parametrize("warmup,lr", [(1, 1.0), (6, 2.0)], ids=["more_steps", "new_warmup_and_peak"])
+@pytest.mark.parametrize(
+    "warmup,lr", [(1, 1.0), (6, 2.0)], ids=["more_steps", "new_warmup_and_peak"]
+)
 def test_resume_with_more_steps_runs_the_new_schedule(warmup, lr, tmp_path):
     m, model, opts, sched, train = trainer(tmp_path, steps=4, warmup=1, lr=1.0)
     for step in range(1, 5):
@@ -389,8 +440,14 @@ def test_resume_with_more_steps_runs_the_new_schedule(warmup, lr, tmp_path):
 
     m2, model2, opts2, sched2, train2 = trainer(tmp_path, steps=8, warmup=warmup, lr=lr)
     assert m2.load() and train2.value == 4
-    expected = lr * lr_factor(5, warmup_steps=warmup, total_steps=8, decay_ratio=None, decay_type="linear",
-                              min_lr_factor=0.0)
+    expected = lr * lr_factor(
+        5,
+        warmup_steps=warmup,
+        total_steps=8,
+        decay_ratio=None,
+        decay_type="linear",
+        min_lr_factor=0.0,
+    )
     assert expected > 0
     assert sched2.get_last_lr() == pytest.approx(expected)  # what the trainer logs for step 5
     assert opts2.param_groups[0]["lr"] == pytest.approx(expected)  # what step 5 uses

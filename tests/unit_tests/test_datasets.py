@@ -19,13 +19,21 @@ import torch
 
 from torchtitan.components.errors import AssetError
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.datasets import DATASETS, DatasetConfig, HuggingFaceDataset, build_hf_dataloader
-from torchtitan.datasets import hf_datasets
+from torchtitan.datasets import (
+    DATASETS,
+    DatasetConfig,
+    HuggingFaceDataset,
+    build_hf_dataloader,
+    hf_datasets,
+)
 from torchtitan.datasets.hf_datasets import check_local_dataset, load_local_dataset
 from torchtitan.errors import UserInputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCS = [(f"Document number {i} says: " + "lorem ipsum dolor sit amet " * (i % 4)).strip() for i in range(12)]
+DOCS = [
+    (f"Document number {i} says: " + "lorem ipsum dolor sit amet " * (i % 4)).strip()
+    for i in range(12)
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +88,20 @@ def test_packing(tokenizer, jsonl):
 def test_rank_split_is_a_slice_of_the_global_batch(tokenizer, jsonl, streaming_dataset, use_stream):
     name, path = (streaming_dataset, None) if use_stream else ("titan_corpus", str(jsonl))
     world, local = 3, 2
-    one_rank = build_hf_dataloader(1, 0, tokenizer, _job_config(path, dataset=name, batch=world * local, seq_len=4))
+    one_rank = build_hf_dataloader(
+        1, 0, tokenizer, _job_config(path, dataset=name, batch=world * local, seq_len=4)
+    )
     global_batches = [x["input"] for x, _ in _take(one_rank, 4)]
     per_rank = [
-        [x["input"] for x, _ in _take(build_hf_dataloader(
-            world, r, tokenizer, _job_config(path, dataset=name, batch=local, seq_len=4)), 4)]
+        [
+            x["input"]
+            for x, _ in _take(
+                build_hf_dataloader(
+                    world, r, tokenizer, _job_config(path, dataset=name, batch=local, seq_len=4)
+                ),
+                4,
+            )
+        ]
         for r in range(world)
     ]
     for step, full in enumerate(global_batches):
@@ -204,7 +221,9 @@ def test_hub_dataset_offline_fails_clearly(monkeypatch, tokenizer, name):
 
 
 def test_corpus_builder_is_deterministic(tmp_path):
-    spec = importlib.util.spec_from_file_location("build_corpus", REPO_ROOT / "scripts/build_corpus.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_corpus", REPO_ROOT / "scripts/build_corpus.py"
+    )
     build_corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_corpus)
 
@@ -218,8 +237,12 @@ def test_corpus_builder_is_deterministic(tmp_path):
         "def f():\n"
         '    """Return one.\n\n    >>> f()\n    1\n\n    The text after the example is kept."""\n'
     )
-    (tmp_path / "pkg" / "alpha.py").write_text('"""Alpha comes first in sorted path order, always."""\n')
-    (tmp_path / "test" / "skipped.py").write_text('"""Tests are excluded from the corpus entirely."""\n')
+    (tmp_path / "pkg" / "alpha.py").write_text(
+        '"""Alpha comes first in sorted path order, always."""\n'
+    )
+    (tmp_path / "test" / "skipped.py").write_text(
+        '"""Tests are excluded from the corpus entirely."""\n'
+    )
     (tmp_path / "broken.py").write_text("def (:\n")
 
     first = build_corpus.build_corpus(tmp_path)
@@ -259,7 +282,9 @@ def _lines_file(tmp_path, name, *lines) -> Path:
 def test_malformed_json_line_names_file_and_line(tmp_path, name):
     path = _lines_file(tmp_path, name, '{"text": "a"}', "", '{"text": "b",}', '{"text": "c"}')
     message = _error(path)
-    assert message.startswith(f"{path}:3: not valid JSON (") and message.endswith("fix or remove that line")
+    assert message.startswith(f"{path}:3: not valid JSON (") and message.endswith(
+        "fix or remove that line"
+    )
 
 
 def test_malformed_json_list_names_line(tmp_path):
@@ -271,9 +296,16 @@ def test_malformed_json_list_names_line(tmp_path):
 @pytest.mark.parametrize(
     "name, data, where",
     [
-        ("d.txt", "first paragraph\n\ncaf\xe9\n".encode("latin-1"),
-         ":3: not UTF-8 text (byte 0xe9 at byte offset 20)"),
-        ("d.jsonl", b"\xff\xfe\x00\x01garbage\n", ":1: not UTF-8 text (byte 0xff at byte offset 0)"),
+        (
+            "d.txt",
+            "first paragraph\n\ncaf\xe9\n".encode("latin-1"),
+            ":3: not UTF-8 text (byte 0xe9 at byte offset 20)",
+        ),
+        (
+            "d.jsonl",
+            b"\xff\xfe\x00\x01garbage\n",
+            ":1: not UTF-8 text (byte 0xff at byte offset 0)",
+        ),
         ("d.json", b'[{"text": "\xe9"}]', ":1: not UTF-8 text (byte 0xe9 at byte offset 11)"),
     ],
 )
@@ -324,7 +356,9 @@ def test_garbage_parquet_names_file(tmp_path):
     assert _error(path).startswith(f"{path}: not a readable parquet file (")
 
 
-@pytest.mark.parametrize("files", [{"d.jsonl": ""}, {"d.txt": "\n  \n\t\n"}, {"a.jsonl": "\n", "b.txt": ""}])
+@pytest.mark.parametrize(
+    "files", [{"d.jsonl": ""}, {"d.txt": "\n  \n\t\n"}, {"a.jsonl": "\n", "b.txt": ""}]
+)
 def test_no_text_names_the_files(tmp_path, files):
     for name, content in files.items():
         (tmp_path / name).write_text(content)
@@ -336,7 +370,9 @@ def test_no_text_names_the_files(tmp_path, files):
 
 def test_utf8_bom_and_crlf_are_accepted(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps({"text": t}).encode() + b"\r\n" for t in DOCS))
+    path.write_bytes(
+        b"\xef\xbb\xbf" + b"".join(json.dumps({"text": t}).encode() + b"\r\n" for t in DOCS)
+    )
     assert load_local_dataset(str(path))["text"] == DOCS
 
 
@@ -359,7 +395,10 @@ def test_check_samples_the_start_of_every_file(tmp_path):
     (tmp_path / "b.txt").write_text("fine\n")
     summary = check_local_dataset(str(tmp_path), max_bytes=20_000)
     # 10 kB a file: 10 documents of a.jsonl (about 1 kB each) and all of b.txt
-    assert summary == "checked 2 files, 11 documents (9.9 KiB of 197.9 KiB sampled: the start of each file)"
+    assert (
+        summary
+        == "checked 2 files, 11 documents (9.9 KiB of 197.9 KiB sampled: the start of each file)"
+    )
     with pytest.raises(AssetError, match=f"{big}:201: "):
         load_local_dataset(str(tmp_path))  # training reads it all
     (tmp_path / "b.txt").write_bytes(b"\xff")  # a bad head is found however small the share
@@ -382,7 +421,9 @@ def test_reloop_is_warned_once(tmp_path, tokenizer, caplog):
     dataset = HuggingFaceDataset("titan_corpus", str(path), tokenizer, seq_len=4, infinite=True)
     with caplog.at_level(logging.DEBUG, logger="torchtitan.datasets.hf_datasets"):
         list(itertools.islice(iter(dataset), 20))
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "re-loop" in r.message]
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "re-loop" in r.message
+    ]
     assert len(warnings) == 1 and dataset.reloops > 3
     assert f"re-looped {dataset.reloops} times" in caplog.records[-1].message
 
@@ -396,7 +437,9 @@ def _online(monkeypatch, endpoint: str):
         monkeypatch.delenv(key.upper(), raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the hub was not probed first"))
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **k: pytest.fail("the hub was not probed first")
+    )
 
 
 def _closed_port() -> int:
@@ -413,7 +456,11 @@ def test_unreachable_hub_fails_fast(monkeypatch, tokenizer):
         HuggingFaceDataset("c4", None, tokenizer)
     assert time.monotonic() - start < 1
     message = str(info.value)
-    assert f"cannot connect to {endpoint}" in message and "no hub access" in message and "\n" not in message
+    assert (
+        f"cannot connect to {endpoint}" in message
+        and "no hub access" in message
+        and "\n" not in message
+    )
     assert "--training.dataset titan_corpus" in message
 
 
@@ -429,7 +476,9 @@ def test_hub_probe_is_bounded_when_the_lookup_hangs(monkeypatch, tokenizer):
     monkeypatch.setattr(socket, "create_connection", hanging_lookup)
     start = time.monotonic()
     try:
-        with pytest.raises(AssetError, match=r"no connection to https://hub.invalid .* within 0.2 s"):
+        with pytest.raises(
+            AssetError, match=r"no connection to https://hub.invalid .* within 0.2 s"
+        ):
             HuggingFaceDataset("c4_validation", None, tokenizer)
     finally:
         release.set()

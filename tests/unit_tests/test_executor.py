@@ -35,8 +35,13 @@ def lowered(mesh, model_fn, example, fsdp=False, **kw):
     """The LoweredPlan of one step; `fsdp` pins every parameter to Shard(0) (FSDP's plan)."""
     with torch.device("meta"):
         model = model_fn()
-    with AutoParallel(model, lambda: torch.zeros(example.shape, dtype=example.dtype), mesh,
-                      cost_model="h100", **kw) as autop:
+    with AutoParallel(
+        model,
+        lambda: torch.zeros(example.shape, dtype=example.dtype),
+        mesh,
+        cost_model="h100",
+        **kw,
+    ) as autop:
         autop.add_parameter_memory_constraint()
         for fqn, p in model.named_parameters():
             if fsdp and p.shape[0] % 4 == 0:
@@ -86,8 +91,11 @@ def test_next_units_gather_overlaps_compute(dp4):
     order = list(lp.partition.fwd.graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
     gathers = param_gathers(lp.partition, "fwd")
-    compute = [pos[n] for n in order if n.target in (torch.ops.aten.addmm.default,
-                                                    torch.ops.aten.mm.default)]
+    compute = [
+        pos[n]
+        for n in order
+        if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+    ]
     for ag in gathers[1:]:
         wait = next(iter(ag.users))
         assert wait.target is WAIT
@@ -96,11 +104,13 @@ def test_next_units_gather_overlaps_compute(dp4):
 
 
 def test_default_policy_keeps_root_and_last_unit_gathered(dp4):
-    lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32),
-                 reshard_after_forward="default")
+    lp = lowered(
+        dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward="default"
+    )
     assert len(param_gathers(lp.partition, "bwd")) == 4  # layers.0..3; layers.4 and head kept
-    never = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32),
-                    reshard_after_forward=False)
+    never = lowered(
+        dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward=False
+    )
     assert not param_gathers(never.partition, "bwd")
 
 
@@ -125,8 +135,11 @@ def test_gradient_reductions_one_in_flight(dp4):
     assert len(reductions) == 6  # one per unit
     for r, nxt in zip(reductions, reductions[1:]):
         wait = next(iter(r.users))
-        assert pos[nxt] < pos[wait] < min((pos[x] for x in reductions if pos[x] > pos[nxt]),
-                                          default=len(order))
+        assert (
+            pos[nxt]
+            < pos[wait]
+            < min((pos[x] for x in reductions if pos[x] > pos[nxt]), default=len(order))
+        )
 
 
 def test_lowering_refuses_a_captured_tensor():
@@ -140,5 +153,6 @@ def test_lowering_refuses_a_captured_tensor():
     gm = make_fx(lambda x: x @ stale)(torch.randn(4, 4))
     with pytest.raises(PlannerError, match="captured tensor constant"):
         _check_constants(gm, allowed=set())
-    _check_constants(gm, allowed={id(getattr(gm, n.target)) for n in gm.graph.nodes
-                                  if n.op == "get_attr"})  # a true constant of the model
+    _check_constants(
+        gm, allowed={id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    )  # a true constant of the model

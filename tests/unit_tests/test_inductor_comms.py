@@ -18,12 +18,15 @@ def test_defaults_change_nothing():
 
 def test_knobs_map_to_inductor_settings():
     cfg = _compile_config(
-        "--compile.bucket_all_gathers_fx", "all",
-        "--compile.bucket_reduce_scatters_fx", "all",
+        "--compile.bucket_all_gathers_fx",
+        "all",
+        "--compile.bucket_reduce_scatters_fx",
+        "all",
         "--compile.reorder_for_compute_comm_overlap",
         "--compile.reorder_for_compute_comm_overlap_passes",
         "reorder_communication_preserving_peak_memory,sink_waits_iterative",
-        "--compile.reorder_prefetch_limit", "2",
+        "--compile.reorder_prefetch_limit",
+        "2",
         "--compile.force_disable_caches",
     )
     assert inductor_settings(cfg) == {
@@ -31,7 +34,9 @@ def test_knobs_map_to_inductor_settings():
         "bucket_reduce_scatters_fx": "all",
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [
-            "reorder_communication_preserving_peak_memory", "sink_waits_iterative"],
+            "reorder_communication_preserving_peak_memory",
+            "sink_waits_iterative",
+        ],
         "allow_buffer_reuse": False,
         "reorder_prefetch_limit": 2,
         "force_disable_caches": True,
@@ -45,14 +50,21 @@ def test_apply_sets_inductor_config():
 
 
 def test_unknown_bucket_mode_lists_choices():
-    with pytest.raises(UserInputError, match=r"--compile.bucket_reduce_scatters_fx: 'fsdp' is not one of none, all"):
+    with pytest.raises(
+        UserInputError, match=r"--compile.bucket_reduce_scatters_fx: 'fsdp' is not one of none, all"
+    ):
         inductor_settings(_compile_config("--compile.bucket_reduce_scatters_fx", "fsdp"))
 
 
 def test_unknown_pass_lists_what_torch_offers():
-    cfg = _compile_config("--compile.reorder_for_compute_comm_overlap",
-                          "--compile.reorder_for_compute_comm_overlap_passes", "sink_waitz")
-    with pytest.raises(UserInputError, match="unknown pass 'sink_waitz'; this torch offers .*sink_waits_iterative"):
+    cfg = _compile_config(
+        "--compile.reorder_for_compute_comm_overlap",
+        "--compile.reorder_for_compute_comm_overlap_passes",
+        "sink_waitz",
+    )
+    with pytest.raises(
+        UserInputError, match="unknown pass 'sink_waitz'; this torch offers .*sink_waits_iterative"
+    ):
         inductor_settings(cfg)
 
 

@@ -36,8 +36,11 @@ def test_defaults():
 
 
 def test_toml_load_and_precedence(tmp_path):
-    path = write(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n'
-                           '[compile]\ncomponents = ["model"]\n')
+    path = write(
+        tmp_path,
+        "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n"
+        '[compile]\ncomponents = ["model"]\n',
+    )
     cfg = parse("--job.config_file", path, "--training.steps", "9")
     assert cfg.job.config_file == path
     assert cfg.training.steps == 9  # CLI beats TOML
@@ -50,8 +53,11 @@ def test_toml_load_and_precedence(tmp_path):
 
 
 def test_equals_space_and_hyphen_forms():
-    for argv in (["--lr_scheduler.warmup_steps", "2"], ["--lr-scheduler.warmup-steps=2"],
-                 ["--lr-scheduler.warmup_steps", "2"]):
+    for argv in (
+        ["--lr_scheduler.warmup_steps", "2"],
+        ["--lr-scheduler.warmup-steps=2"],
+        ["--lr-scheduler.warmup_steps", "2"],
+    ):
         assert parse(*argv).lr_scheduler.warmup_steps == 2
     assert parse("--training.global_batch_size", "-1").training.global_batch_size == -1
     assert parse("--optimizer.implementation=for-loop").optimizer.implementation == "for-loop"
@@ -61,20 +67,34 @@ def test_bool_flags():
     assert parse("--training.deterministic").training.deterministic is True
     assert parse("--training.deterministic=false").training.deterministic is False
     assert parse("--training.deterministic", "true").training.deterministic is True
-    assert parse("--checkpoint.no_initial_load_model_only").checkpoint.initial_load_model_only \
-        is False
-    assert parse("--checkpoint.no-initial-load-model-only").checkpoint.initial_load_model_only \
-        is False
+    assert (
+        parse("--checkpoint.no_initial_load_model_only").checkpoint.initial_load_model_only is False
+    )
+    assert (
+        parse("--checkpoint.no-initial-load-model-only").checkpoint.initial_load_model_only is False
+    )
 
 
 def test_an_option_given_twice_is_refused_and_last_wins_merges():
-    with pytest.raises(ConfigError, match=r"^--training\.no_deterministic: training\.deterministic "
-                       r"is set twice on the command line \(first by --training\.deterministic\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--training\.no_deterministic: training\.deterministic "
+        r"is set twice on the command line \(first by --training\.deterministic\)",
+    ):
         parse("--training.deterministic", "--training.no_deterministic")
     with pytest.raises(ConfigError, match="training.steps is set twice"):
         parse("--training.steps", "3", "--training.steps=4")
-    merged = last_wins(["--training.steps", "10", "--training.deterministic", "--job.dump_folder",
-                        "a", "--training.steps=2", "--training.no_deterministic"])
+    merged = last_wins(
+        [
+            "--training.steps",
+            "10",
+            "--training.deterministic",
+            "--job.dump_folder",
+            "a",
+            "--training.steps=2",
+            "--training.no_deterministic",
+        ]
+    )
     assert merged == ["--job.dump_folder", "a", "--training.steps=2", "--training.no_deterministic"]
     assert parse(*merged).training.steps == 2
 
@@ -89,26 +109,41 @@ def test_list_and_none():
     assert cfg.training.seed is None
 
 
-@pytest.mark.parametrize("argv, pattern", [
-    (["--trainig.steps", "1"], r"--trainig\.steps: unknown section 'trainig'; did you mean "
-                               r"'training'\?"),
-    (["--training.stepz", "1"], r"--training\.stepz: unknown key 'stepz' in section "
-                                r"\[training\]; did you mean 'steps'\?"),
-    (["--training.steps", "abc"], r"^--training\.steps: expected an integer, got 'abc'$"),
-    (["--optimizer.lr=fast"], r"--optimizer\.lr: expected a number, got 'fast'"),
-    (["--training.deterministic=maybe"], r"--training\.deterministic: expected a boolean "
-                                         r"\(true/false\), got 'maybe'"),
-    (["--optimizer.name", "SGD"], r"--optimizer\.name: invalid choice 'SGD'; allowed: "
-                                  r"'AdamW', 'Adam'"),
-    (["--training.steps"], r"--training\.steps: missing value \(expected INT\)"),
-    (["--training.steps", "--training.seq_len", "4"], r"--training\.steps: missing value"),
-    (["--training.seed", "x"], r"--training\.seed: expected an integer, got 'x'"),
-    (["--training"], r"--training: 'training' is a section"),
-    (["steps"], r"unexpected argument 'steps'"),
-    (["--training.no_steps"], r"unknown key 'no_steps' in section \[training\]"),
-    (["--training.no_deterministic=1"], r"negated flag takes no value"),
-    (["--job.config_file"], r"--job\.config_file: missing value"),
-])
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (
+            ["--trainig.steps", "1"],
+            r"--trainig\.steps: unknown section 'trainig'; did you mean "
+            r"'training'\?",
+        ),
+        (
+            ["--training.stepz", "1"],
+            r"--training\.stepz: unknown key 'stepz' in section "
+            r"\[training\]; did you mean 'steps'\?",
+        ),
+        (["--training.steps", "abc"], r"^--training\.steps: expected an integer, got 'abc'$"),
+        (["--optimizer.lr=fast"], r"--optimizer\.lr: expected a number, got 'fast'"),
+        (
+            ["--training.deterministic=maybe"],
+            r"--training\.deterministic: expected a boolean "
+            r"\(true/false\), got 'maybe'",
+        ),
+        (
+            ["--optimizer.name", "SGD"],
+            r"--optimizer\.name: invalid choice 'SGD'; allowed: "
+            r"'AdamW', 'Adam'",
+        ),
+        (["--training.steps"], r"--training\.steps: missing value \(expected INT\)"),
+        (["--training.steps", "--training.seq_len", "4"], r"--training\.steps: missing value"),
+        (["--training.seed", "x"], r"--training\.seed: expected an integer, got 'x'"),
+        (["--training"], r"--training: 'training' is a section"),
+        (["steps"], r"unexpected argument 'steps'"),
+        (["--training.no_steps"], r"unknown key 'no_steps' in section \[training\]"),
+        (["--training.no_deterministic=1"], r"negated flag takes no value"),
+        (["--job.config_file"], r"--job\.config_file: missing value"),
+    ],
+)
 def test_cli_errors(argv, pattern):
     with pytest.raises(ConfigError, match=pattern) as err:
         parse(*argv)
@@ -121,16 +156,28 @@ def test_toml_errors(tmp_path):
         parse("--job.config_file", missing)
     cases = [
         ("[training\nsteps = 1\n", r"cfg\.toml: not a valid TOML file"),
-        ("[trainig]\nsteps = 1\n", r"cfg\.toml: trainig: unknown section 'trainig'; did you "
-                                   r"mean 'training'\?"),
-        ("[training]\nstepz = 1\n", r"cfg\.toml: training\.stepz: unknown key 'stepz' in "
-                                    r"section \[training\]; did you mean 'steps'\?"),
-        ('[training]\nsteps = "abc"\n', r"cfg\.toml: training\.steps: expected an integer, "
-                                        r"got 'abc' \(str\)"),
+        (
+            "[trainig]\nsteps = 1\n",
+            r"cfg\.toml: trainig: unknown section 'trainig'; did you "
+            r"mean 'training'\?",
+        ),
+        (
+            "[training]\nstepz = 1\n",
+            r"cfg\.toml: training\.stepz: unknown key 'stepz' in "
+            r"section \[training\]; did you mean 'steps'\?",
+        ),
+        (
+            '[training]\nsteps = "abc"\n',
+            r"cfg\.toml: training\.steps: expected an integer, "
+            r"got 'abc' \(str\)",
+        ),
         ("[training]\ndeterministic = 1\n", r"training\.deterministic: expected a boolean"),
-        ('[training]\ndataset = 3\n', r"training\.dataset: expected a string, got 3 \(int\)"),
-        ('[optimizer]\nname = "SGD"\n', r"optimizer\.name: invalid choice 'SGD'; allowed: "
-                                        r"'AdamW', 'Adam'"),
+        ("[training]\ndataset = 3\n", r"training\.dataset: expected a string, got 3 \(int\)"),
+        (
+            '[optimizer]\nname = "SGD"\n',
+            r"optimizer\.name: invalid choice 'SGD'; allowed: "
+            r"'AdamW', 'Adam'",
+        ),
         ("training = 3\n", r"training: expected a \[training\] table"),
     ]
     for text, pattern in cases:
@@ -140,8 +187,13 @@ def test_toml_errors(tmp_path):
 
 
 def test_cli_error_exits_2_with_one_line():
-    proc = subprocess.run([sys.executable, "-m", "torchtitan.config", "--training.steps", "abc"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config", "--training.steps", "abc"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: --training.steps: expected an integer, got 'abc'"]
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -159,15 +211,28 @@ def test_help(capsys):
 
 
 def test_to_toml_round_trip(tmp_path):
-    cfg = parse("--training.steps", "5", "--training.seed", "7", "--optimizer.eps", "1e-12",
-                "--job.description", 'quote " and \\ backslash\ttab',
-                "--compile.components", "loss", "--lr_scheduler.decay_ratio", "0.25",
-                "--checkpoint.no_initial_load_model_only")
+    cfg = parse(
+        "--training.steps",
+        "5",
+        "--training.seed",
+        "7",
+        "--optimizer.eps",
+        "1e-12",
+        "--job.description",
+        'quote " and \\ backslash\ttab',
+        "--compile.components",
+        "loss",
+        "--lr_scheduler.decay_ratio",
+        "0.25",
+        "--checkpoint.no_initial_load_model_only",
+    )
     text = to_toml(cfg)
     again = parse("--job.config_file", write(tmp_path, text, "resolved.toml"))
     assert dataclasses.replace(again, job=dataclasses.replace(again.job, config_file=None)) == cfg
-    assert to_toml(again).replace(f"# config_file: {again.job.config_file}",
-                                  "# config_file: none") == text
+    assert (
+        to_toml(again).replace(f"# config_file: {again.job.config_file}", "# config_file: none")
+        == text
+    )
 
 
 @dataclass
@@ -196,13 +261,17 @@ class ExtendedConfig(JobConfig):
 def test_custom_root_dataclass(tmp_path, capsys):
     manager = ConfigManager(config_cls=ExtendedConfig)
     path = write(tmp_path, "[extra]\nknob = 4\n[training]\nextra_flag = true\n")
-    cfg = manager.parse_args(["--job.config_file", path, "--extra.mode", "fast",
-                              "--training.steps", "2"])
+    cfg = manager.parse_args(
+        ["--job.config_file", path, "--extra.mode", "fast", "--training.steps", "2"]
+    )
     assert isinstance(cfg, ExtendedConfig)
     assert (cfg.extra.knob, cfg.extra.mode, cfg.training.extra_flag) == (4, "fast", True)
     assert cfg.training.steps == 2
-    with pytest.raises(ConfigError, match=r"unknown key 'knop' in section \[extra\]; did you "
-                                          r"mean 'knob'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'knop' in section \[extra\]; did you "
+        r"mean 'knob'\?",
+    ):
         manager.parse_args(["--extra.knop", "1"])
     with pytest.raises(SystemExit):
         manager.parse_args(["-h"])
@@ -210,5 +279,9 @@ def test_custom_root_dataclass(tmp_path, capsys):
     assert "A knob only the extension knows." in out
     assert "Added to an existing section by subclassing." in out
     assert "Tokens per training sequence." in out  # inherited docstrings survive
-    assert ConfigManager(ExtendedConfig).parse_args(
-        ["--job.config_file", write(tmp_path, to_toml(cfg), "ext.toml")]).extra.mode == "fast"
+    assert (
+        ConfigManager(ExtendedConfig)
+        .parse_args(["--job.config_file", write(tmp_path, to_toml(cfg), "ext.toml")])
+        .extra.mode
+        == "fast"
+    )

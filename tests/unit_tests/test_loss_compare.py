@@ -18,20 +18,29 @@ CURVE = {1: 8.13780403137207, 2: 8.19434928894043, 3: 8.041428565979004}
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def write_log(path, losses, colour=True):
     red, green, reset = ("\x1b[31m", "\x1b[32m", "\x1b[0m") if colour else ("", "", "")
     lines = ["[rank0]:[titan] 00:00:00 - INFO - building model"]
-    lines += [f"[rank0]:[titan] 00:00:01 - INFO - {red}step: {s:2}  {green}loss: {v:7.4f}  "
-              f"memory:  0.01GiB(0.02%)  tps: 1,234{reset}" for s, v in losses.items()]
+    lines += [
+        f"[rank0]:[titan] 00:00:01 - INFO - {red}step: {s:2}  {green}loss: {v:7.4f}  "
+        f"memory:  0.01GiB(0.02%)  tps: 1,234{reset}"
+        for s, v in losses.items()
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 # --- log parsing ---------------------------------------------------------------------
+
 
 def test_parse_log_strips_colour_and_prefixes(tmp_path):
     losses = lc.read_log_losses(write_log(tmp_path / "a.log", CURVE))
@@ -54,6 +63,7 @@ def test_read_log_without_steps_is_an_error(tmp_path):
 
 # --- golden files ----------------------------------------------------------------------
 
+
 def test_golden_round_trip_is_exact(tmp_path):
     path = tmp_path / "g.txt"
     lc.write_golden(path, {3: 0.1 + 0.2, 1: 1 / 3}, ["made by: hand"])
@@ -62,12 +72,15 @@ def test_golden_round_trip_is_exact(tmp_path):
     assert lc.read_golden(path) == {1: 1 / 3, 3: 0.1 + 0.2}
 
 
-@pytest.mark.parametrize("body, message", [
-    ("1 2.0\n2\n", r":2: expected 'STEP LOSS'"),
-    ("1 2.0\nx 3.0\n", r":2: expected 'STEP LOSS'"),
-    ("1 2.0\n1 3.0\n", "step 1 appears twice"),
-    ("# only a comment\n\n", "no 'STEP LOSS' lines"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("1 2.0\n2\n", r":2: expected 'STEP LOSS'"),
+        ("1 2.0\nx 3.0\n", r":2: expected 'STEP LOSS'"),
+        ("1 2.0\n1 3.0\n", "step 1 appears twice"),
+        ("# only a comment\n\n", "no 'STEP LOSS' lines"),
+    ],
+)
 def test_golden_errors(tmp_path, body, message):
     (tmp_path / "g.txt").write_text(body)
     with pytest.raises(lc.LossCompareError, match=message):
@@ -82,6 +95,7 @@ def test_repo_golden_file_is_documented_and_complete():
 
 # --- comparison ------------------------------------------------------------------------
 
+
 def test_compare_exact_and_relative():
     test = {1: CURVE[1], 2: CURVE[2] * (1 + 5e-6), 3: CURVE[3]}
     assert lc.compare(CURVE, dict(CURVE), rtol=0) == []
@@ -93,7 +107,10 @@ def test_compare_exact_and_relative():
 def test_compare_missing_steps_and_nan():
     bad = lc.compare({1: 1.0, 2: 2.0}, {2: math.nan, 3: 3.0}, rtol=1.0)
     assert [(m.step, m.baseline, m.test is None) for m in bad] == [
-        (1, 1.0, True), (2, 2.0, False), (3, None, False)]
+        (1, 1.0, True),
+        (2, 2.0, False),
+        (3, None, False),
+    ]
     assert "missing in test" in bad[0].describe(1.0)
     assert "missing in baseline" in bad[2].describe(1.0)
 
@@ -106,8 +123,11 @@ def test_compare_rejects_negative_rtol():
 def test_assert_losses_close_names_first_offending_step():
     lc.assert_losses_close(dict(CURVE), CURVE, rtol=0)
     actual = {1: CURVE[1], 2: CURVE[2] + 0.01, 3: CURVE[3] + 0.01}
-    with pytest.raises(AssertionError, match=r"my run: 2 of 3 steps differ; first step 2: "
-                                             r"test 8\.20434928894043 vs baseline 8\.1943"):
+    with pytest.raises(
+        AssertionError,
+        match=r"my run: 2 of 3 steps differ; first step 2: "
+        r"test 8\.20434928894043 vs baseline 8\.1943",
+    ):
         lc.assert_losses_close(actual, CURVE, rtol=1e-4, what="my run")
 
 
@@ -119,6 +139,7 @@ def test_format_table():
 
 
 # --- TensorBoard and plot ---------------------------------------------------------------
+
 
 def test_read_tb_losses(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
@@ -145,12 +166,14 @@ def test_plot_writes_png(tmp_path):
 
 # --- CLI -------------------------------------------------------------------------------
 
+
 def test_cli_golden_vs_log_pass_and_fail(tmp_path):
     golden = tmp_path / "g.txt"
     lc.write_golden(golden, {s: round(v, 4) for s, v in CURVE.items()})
     log = write_log(tmp_path / "t.log", CURVE)
-    ok = cli("--import-result", golden, "--test-log", log, "--rtol", 0,
-             "--plot", tmp_path / "c.png")
+    ok = cli(
+        "--import-result", golden, "--test-log", log, "--rtol", 0, "--plot", tmp_path / "c.png"
+    )
     assert ok.returncode == 0, ok.stderr
     assert "OK: all 3 steps within rtol 0" in ok.stdout and (tmp_path / "c.png").exists()
     assert ok.stdout.splitlines()[0].split() == ["step", "baseline", "test", "rel", "diff"]
@@ -158,8 +181,9 @@ def test_cli_golden_vs_log_pass_and_fail(tmp_path):
     write_log(log, {**CURVE, 2: 8.3, 3: 8.3})
     bad = cli("--import-result", golden, "--test-log", log, "--rtol", 1e-3)
     assert bad.returncode == 1
-    assert ("FAIL: 2 step(s) beyond rtol 0.001; first step 2: test 8.3 vs baseline 8.1943"
-            in bad.stdout)
+    assert (
+        "FAIL: 2 step(s) beyond rtol 0.001; first step 2: test 8.3 vs baseline 8.1943" in bad.stdout
+    )
 
 
 def test_cli_export_from_log(tmp_path):
@@ -172,30 +196,51 @@ def test_cli_export_from_log(tmp_path):
     assert lc.read_golden(out) == {s: round(v, 4) for s, v in CURVE.items()}
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "no baseline"),
-    (["--baseline-log", "{log}"], "no test"),
-    (["--baseline-log", "{log}", "--baseline-tb", "{tmp}", "--test-log", "{log}"],
-     "--baseline-tb and --baseline-log both give the baseline"),
-    (["--baseline-ngpu", "2", "--baseline-log", "{log}", "--test-log", "{log}"],
-     "--baseline-options/ngpu and --baseline-log"),
-    (["--import-result", "{log}", "--baseline-log", "{log}", "--test-log", "{log}"],
-     "--import-result replaces the baseline"),
-    (["--import-result", "{log}", "--test-log", "{log}"], "expected 'STEP LOSS'"),
-    (["--baseline-log", "{tmp}/missing.log", "--test-log", "{log}"], "missing.log does not exist"),
-    (["--baseline-tb", "{tmp}/missing", "--test-log", "{log}"], "does not exist"),
-    (["--baseline-log", "{log}", "--test-log", "{log}", "--rtol", "-1"], "--rtol must be >= 0"),
-    (["--baseline-log", "{log}", "--export-result", "{tmp}/g.txt", "--rtol", "0"], "needs a test"),
-    (["--baseline-log", "{log}", "--test-ngpu", "0"], "--test-ngpu must be >= 1"),
-    (["--baseline-log", "{log}", "--test-options", "--a 'b"],
-     "--test-options: No closing quotation"),
-    (["--baseline-log", "{log}", "--test-log", "{log}", "--plot", "{tmp}/no/p.png"],
-     "--plot: folder of"),
-    (["--baseline-log", "{log}", "--test-log", "{log}", "--rtol", "x"], "invalid float value"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--baseline-log", "{log}", "--test-options", "--training.bogus 1", "--test-ngpu", "4"],
-     "--test-options: --training.bogus: unknown key 'bogus'"),  # preflight, no ranks started
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "no baseline"),
+        (["--baseline-log", "{log}"], "no test"),
+        (
+            ["--baseline-log", "{log}", "--baseline-tb", "{tmp}", "--test-log", "{log}"],
+            "--baseline-tb and --baseline-log both give the baseline",
+        ),
+        (
+            ["--baseline-ngpu", "2", "--baseline-log", "{log}", "--test-log", "{log}"],
+            "--baseline-options/ngpu and --baseline-log",
+        ),
+        (
+            ["--import-result", "{log}", "--baseline-log", "{log}", "--test-log", "{log}"],
+            "--import-result replaces the baseline",
+        ),
+        (["--import-result", "{log}", "--test-log", "{log}"], "expected 'STEP LOSS'"),
+        (
+            ["--baseline-log", "{tmp}/missing.log", "--test-log", "{log}"],
+            "missing.log does not exist",
+        ),
+        (["--baseline-tb", "{tmp}/missing", "--test-log", "{log}"], "does not exist"),
+        (["--baseline-log", "{log}", "--test-log", "{log}", "--rtol", "-1"], "--rtol must be >= 0"),
+        (
+            ["--baseline-log", "{log}", "--export-result", "{tmp}/g.txt", "--rtol", "0"],
+            "needs a test",
+        ),
+        (["--baseline-log", "{log}", "--test-ngpu", "0"], "--test-ngpu must be >= 1"),
+        (
+            ["--baseline-log", "{log}", "--test-options", "--a 'b"],
+            "--test-options: No closing quotation",
+        ),
+        (
+            ["--baseline-log", "{log}", "--test-log", "{log}", "--plot", "{tmp}/no/p.png"],
+            "--plot: folder of",
+        ),
+        (["--baseline-log", "{log}", "--test-log", "{log}", "--rtol", "x"], "invalid float value"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (
+            ["--baseline-log", "{log}", "--test-options", "--training.bogus 1", "--test-ngpu", "4"],
+            "--test-options: --training.bogus: unknown key 'bogus'",
+        ),  # preflight, no ranks started
+    ],
+)
 def test_cli_bad_input_is_one_error_line(tmp_path, args, message):
     log = write_log(tmp_path / "a.log", CURVE)
     res = cli(*(a.format(log=log, tmp=tmp_path) for a in args))

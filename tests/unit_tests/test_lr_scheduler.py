@@ -14,11 +14,18 @@ def _config(steps=10, warmup=2, decay_ratio=None, decay_type="linear", min_lr_fa
     return SimpleNamespace(
         training=SimpleNamespace(steps=steps),
         lr_scheduler=SimpleNamespace(
-            warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=decay_type,
+            warmup_steps=warmup,
+            decay_ratio=decay_ratio,
+            decay_type=decay_type,
             min_lr_factor=min_lr_factor,
         ),
         optimizer=SimpleNamespace(
-            name="AdamW", lr=1.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+            name="AdamW",
+            lr=1.0,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.0,
             implementation="foreach",
         ),
     )
@@ -53,12 +60,17 @@ def test_wsd_stable_then_cosine_to_min():
 
 
 def test_sqrt_decay_and_factor_bounds():
-    f = [lr_factor(s, warmup_steps=0, total_steps=4, decay_ratio=None, decay_type="sqrt",
-                   min_lr_factor=0.0) for s in range(1, 5)]
+    f = [
+        lr_factor(
+            s, warmup_steps=0, total_steps=4, decay_ratio=None, decay_type="sqrt", min_lr_factor=0.0
+        )
+        for s in range(1, 5)
+    ]
     assert f == pytest.approx([1 - math.sqrt(k / 4) for k in range(1, 5)])
     with pytest.raises(ValueError, match="decay_type"):
-        lr_factor(5, warmup_steps=0, total_steps=4, decay_ratio=None, decay_type="exp",
-                  min_lr_factor=0.0)
+        lr_factor(
+            5, warmup_steps=0, total_steps=4, decay_ratio=None, decay_type="exp", min_lr_factor=0.0
+        )
 
 
 def test_state_dict_resume_continues_schedule():
@@ -89,7 +101,10 @@ def test_load_state_dict_after_optimizer_state_applies_this_jobs_schedule():
     sched2 = build_lr_schedulers(opts2, cfg)
     opts2.load_state_dict(opts.state_dict())  # brings lr 0.0 and initial_lr 1.0
     sched2.load_state_dict(sched.state_dict())
-    expected = 2.0 * lr_factor(11, warmup_steps=2, total_steps=20, decay_ratio=None, decay_type="linear",
-                               min_lr_factor=0.0)
+    expected = 2.0 * lr_factor(
+        11, warmup_steps=2, total_steps=20, decay_ratio=None, decay_type="linear", min_lr_factor=0.0
+    )
     group = opts2.param_groups[0]
-    assert (group["lr"], group["initial_lr"], sched2.get_last_lr()) == pytest.approx((expected, 2.0, expected))
+    assert (group["lr"], group["initial_lr"], sched2.get_last_lr()) == pytest.approx(
+        (expected, 2.0, expected)
+    )

@@ -14,7 +14,9 @@ def test_degrees_must_multiply_to_world_size():
 
 def test_shard_minus_one_takes_the_rest_or_says_why_not():
     assert ParallelDims(dp_replicate=1, dp_shard=-1, tp=2, world_size=8).dp_shard == 4
-    with pytest.raises(ParallelismConfigError, match="not divisible by .* tensor_parallel_degree 3"):
+    with pytest.raises(
+        ParallelismConfigError, match="not divisible by .* tensor_parallel_degree 3"
+    ):
         ParallelDims(dp_replicate=1, dp_shard=-1, tp=3, world_size=4)
 
 

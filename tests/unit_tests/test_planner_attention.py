@@ -28,8 +28,10 @@ def fake_pg():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("causal, q_len, masked", [(True, 16, False), (False, 16, False),
-                                                   (False, 12, False), (False, 16, True)])
+@pytest.mark.parametrize(
+    "causal, q_len, masked",
+    [(True, 16, False), (False, 16, False), (False, 12, False), (False, 16, True)],
+)
 def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len, masked):
     torch.manual_seed(0)
     q = torch.randn(2, 4, q_len, 8, requires_grad=True)
@@ -50,8 +52,10 @@ def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len, masked):
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)
     # the device-independent backward (used off CPU) agrees to float32 rounding
-    for a, b in zip(softmax_attention_backward(g, q.detach(), k.detach(), v.detach(), mask, causal,
-                                               None), ref_grads):
+    for a, b in zip(
+        softmax_attention_backward(g, q.detach(), k.detach(), v.detach(), mask, causal, None),
+        ref_grads,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -67,8 +71,9 @@ class Attn(nn.Module):
         if self.gqa:  # two key/value heads for four query heads
             k, v = k[:, :2], v[:, :2]
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.masked else None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked,
-                                             enable_gqa=self.gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=not self.masked, enable_gqa=self.gqa
+        )
         return out.transpose(1, 2).reshape(b, s, d).sum()
 
 
@@ -116,6 +121,7 @@ def test_value_read_by_three_consumers_is_gathered_once():
         autop.add_output_constraints([(Replicate(),)] * 3)
         plan = autop.optimize_placement()
     one_gather = Estimator(CostModel.for_device("h100"), (4,)).comm_us(
-        (Shard(0),), (Replicate(),), (64, 256), 4)
+        (Shard(0),), (Replicate(),), (64, 256), 4
+    )
     assert plan.nodes["mul"]["out"] == ["S(0)"] and plan.nodes["mul"]["hubs"] == ["R"]
     assert plan.predicted["fwd_comm_us"] == pytest.approx(one_gather)

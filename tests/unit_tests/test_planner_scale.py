@@ -51,15 +51,30 @@ def _llama(flavor: str, **over):
         return Transformer(args), args
 
 
-def _solve(model, args, mesh_shape, names, batch, seq, device="h100", share=True, param_high=None,
-           with_planner=False):
+def _solve(
+    model,
+    args,
+    mesh_shape,
+    names,
+    batch,
+    seq,
+    device="h100",
+    share=True,
+    param_high=None,
+    with_planner=False,
+):
     world = 1
     for s in mesh_shape:
         world *= s
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     pin = tuple(Shard(0) if d == 0 else Replicate() for d in range(len(mesh_shape)))
-    with AutoParallel(model, lambda: torch.randint(0, args.vocab_size, (batch, seq)), mesh,
-                      cost_model=device, share_repeated=share) as autop:
+    with AutoParallel(
+        model,
+        lambda: torch.randint(0, args.vocab_size, (batch, seq)),
+        mesh,
+        cost_model=device,
+        share_repeated=share,
+    ) as autop:
         autop.add_parameter_memory_constraint(high=param_high)
         autop.add_input_constraints([pin])
         autop.add_output_constraints([pin])
@@ -68,13 +83,16 @@ def _solve(model, args, mesh_shape, names, batch, seq, device="h100", share=True
 
 
 # ------------------------------------------------------------------ scripts/plan.py
-@pytest.mark.parametrize("argv, needle", [
-    (["--mesh", "8,0"], "positive"),
-    (["--mesh", "8,8", "--mesh-names", "dp"], "1 name(s) for a 2-D mesh"),
-    (["--flavor", "9B"], "unknown flavor"),
-    (["--device", "tpu"], "unknown device"),
-    (["--mesh", "a,b"], "integers"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--mesh", "8,0"], "positive"),
+        (["--mesh", "8,8", "--mesh-names", "dp"], "1 name(s) for a 2-D mesh"),
+        (["--flavor", "9B"], "unknown flavor"),
+        (["--device", "tpu"], "unknown device"),
+        (["--mesh", "a,b"], "integers"),
+    ],
+)
 def test_plan_script_bad_input(argv, needle, capsys):
     assert plan_script.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -82,17 +100,44 @@ def test_plan_script_bad_input(argv, needle, capsys):
 
 
 def test_plan_script_small_mesh(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), "--flavor", "debugmodel", "--layers", "2",
-           "--vocab", "512", "--mesh", "2,2", "--mesh-names", "dp,tp", "--device", "h100",
-           "--batch", "4", "--seq-len", "32", "--out-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "plan.py"),
+        "--flavor",
+        "debugmodel",
+        "--layers",
+        "2",
+        "--vocab",
+        "512",
+        "--mesh",
+        "2,2",
+        "--mesh-names",
+        "dp,tp",
+        "--device",
+        "h100",
+        "--batch",
+        "4",
+        "--seq-len",
+        "32",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "layers.{0..1}.attention.wq.weight" in out  # repeated layers collapsed
     for label in ("auto", "FSDP", "FSDP+TP"):
-        assert any(line.startswith(label + " ") and "exposed comm" in line and "memory/rank" in line
-                   for line in out.splitlines()), out
+        assert any(
+            line.startswith(label + " ") and "exposed comm" in line and "memory/rank" in line
+            for line in out.splitlines()
+        ), out
     assert "auto / best hand-written" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["mesh_dim_names"] == ["dp", "tp"] and plan["predicted"]["peak_bytes_per_rank"] > 0
@@ -179,8 +224,9 @@ def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp(seq):
     gathered, reaching head-split through all-to-alls (Ulysses-style); see benchmarks/planner.md."""
     with fake_world(32):
         model, args = _llama("70B", n_layers=2, max_seq_len=seq)
-        plan, autop = _solve(model, args, (4, 8), ("dp", "tp"), 4, seq, param_high=None,
-                             with_planner=True)
+        plan, autop = _solve(
+            model, args, (4, 8), ("dp", "tp"), 4, seq, param_high=None, with_planner=True
+        )
     used = _matmul_weights(autop, plan)  # column-parallel: S(1) on tp; row-parallel: S(0)
     for fqn, pl in plan.params.items():
         if "layers." not in fqn or fqn.endswith("norm.weight"):

@@ -104,7 +104,13 @@ def test_training_is_deterministic():
 
 @pytest.mark.parametrize(
     "content",
-    [bytes(range(256)), b"", b'{"not": "a tokenizer"}', b"[1, 2, 3]", b'{"model": {"type": "BPE"}}'],
+    [
+        bytes(range(256)),
+        b"",
+        b'{"not": "a tokenizer"}',
+        b"[1, 2, 3]",
+        b'{"model": {"type": "BPE"}}',
+    ],
     ids=["binary", "empty", "other_json", "list", "no_vocab"],
 )
 def test_garbage_tokenizer_json_is_one_clear_error(tmp_path, content):
@@ -112,14 +118,19 @@ def test_garbage_tokenizer_json_is_one_clear_error(tmp_path, content):
     with pytest.raises(AssetError) as info:
         HuggingFaceTokenizer(str(tmp_path))
     message = str(info.value)
-    assert message.startswith(f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json (")
+    assert message.startswith(
+        f"{tmp_path / 'tokenizer.json'} is not a Hugging Face tokenizer.json ("
+    )
     assert "--model.tokenizer_path" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(
     "config, problem",
-    [("{bad", "not valid JSON"), ('["<s>"]', "expected a JSON object, got list"),
-     ('{"eos_token": 7}', '"eos_token" must be a token string, got int')],
+    [
+        ("{bad", "not valid JSON"),
+        ('["<s>"]', "expected a JSON object, got list"),
+        ('{"eos_token": 7}', '"eos_token" must be a token string, got int'),
+    ],
 )
 def test_bad_tokenizer_config_names_the_file(tmp_path, config, problem):
     shutil.copy(TOKENIZER_DIR / "tokenizer.json", tmp_path)

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from torchtitan.protocols.train_spec import (
+    UnknownTrainSpecError,
     get_train_spec,
     register_train_spec,
     registered_names,
-    UnknownTrainSpecError,
 )
 
 
@@ -40,8 +40,12 @@ def _preflight(*args: str, block_transformers: bool = False):
 
     block = "import sys; sys.modules['transformers'] = None; " if block_transformers else ""
     code = block + "import sys; from torchtitan.preflight import main; main(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, "--world-size", "4", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code, "--world-size", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 HF_SPEC = ["--model.name", "hf_auto_parallel", "--model.flavor", "./tests/assets/hf_llama_debug"]
@@ -52,7 +56,8 @@ def test_hf_spec_without_transformers_says_how_to_install():
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.splitlines() == [
         "error: --model.name hf_auto_parallel needs the transformers package: "
-        "pip install -e '.[hf]' (or: pip install transformers)"]
+        "pip install -e '.[hf]' (or: pip install transformers)"
+    ]
 
 
 def test_hf_spec_preflight_accepts_the_shipped_config():

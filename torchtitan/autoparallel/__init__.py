@@ -9,6 +9,15 @@ from .errors import ConstraintError, InfeasiblePlanError, PlannerError, Unsuppor
 from .plan import Plan
 
 __all__ = [
-    "AutoParallel", "Plan", "CostModel", "DeviceSpec", "LinkSpec", "DEVICES", "LINKS",
-    "PlannerError", "ConstraintError", "InfeasiblePlanError", "UnsupportedOpError",
+    "AutoParallel",
+    "Plan",
+    "CostModel",
+    "DeviceSpec",
+    "LinkSpec",
+    "DEVICES",
+    "LINKS",
+    "PlannerError",
+    "ConstraintError",
+    "InfeasiblePlanError",
+    "UnsupportedOpError",
 ]

@@ -44,8 +44,12 @@ log = logging.getLogger(__name__)
 def _is_multirank() -> bool:
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+    return (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
         and dist.get_backend() != "fake"
+    )
 
 
 def on_rank0(fn: Callable[[], str]) -> str:
@@ -99,14 +103,25 @@ class AutoParallel:
     backward graphs (lower.py, executor.py; "dtensor" interprets it over DTensors, a reference
     path); `reshard_after_forward` (True/"always", False/"never", or torchtitan's "default":
     all but the root and the last unit) re-gathers parameters in the backward instead of
-    keeping them; `bucket` merges each unit's parameter gathers and gradient reductions (buckets.py).
+    keeping them; `bucket` merges each unit's parameter gathers and gradient reductions
+    (buckets.py).
     """
 
-    def __init__(self, model: nn.Module, input_fn: Callable[[], Any], mesh: DeviceMesh,
-                 mp_policy=None, cost_model: CostModel | str | None = None,
-                 solver_time_limit: float = 300.0, grad_reduction: str = "mean",
-                 share_repeated: bool = True, backward: str = "plan", executor: str = "lowered",
-                 reshard_after_forward: bool | str = True, bucket: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        input_fn: Callable[[], Any],
+        mesh: DeviceMesh,
+        mp_policy=None,
+        cost_model: CostModel | str | None = None,
+        solver_time_limit: float = 300.0,
+        grad_reduction: str = "mean",
+        share_repeated: bool = True,
+        backward: str = "plan",
+        executor: str = "lowered",
+        reshard_after_forward: bool | str = True,
+        bucket: bool = True,
+    ):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
         check_on_meta(model)
@@ -137,8 +152,9 @@ class AutoParallel:
         # stacks of identical blocks are planned from a shallow copy (repeat.py)
         self.blocks = repeat.find_repeated_blocks(self.model) if self.share_repeated else []
         try:
-            self.tg = trace_joint(self.model, self.input_fn, self.param_dtype, self.blocks,
-                                  shallow=bool(self.blocks))
+            self.tg = trace_joint(
+                self.model, self.input_fn, self.param_dtype, self.blocks, shallow=bool(self.blocks)
+            )
         except PlannerError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -151,8 +167,10 @@ class AutoParallel:
         self._full_tg = None if self.blocks else self.tg
         self.timings["trace"] = time.perf_counter() - t
         if self.blocks:
-            log.info("repeated blocks: %s; traced the first, second and last of each",
-                     ", ".join(f"{b.container} x{len(b.keys)}" for b in self.blocks))
+            log.info(
+                "repeated blocks: %s; traced the first, second and last of each",
+                ", ".join(f"{b.container} x{len(b.keys)}" for b in self.blocks),
+            )
         return self
 
     def param_shapes(self) -> dict[str, list[int]]:
@@ -183,13 +201,19 @@ class AutoParallel:
         t = time.perf_counter()
         self.table = build_strategies(self.tg, self.mesh)
         self.timings["strategies"] = time.perf_counter() - t
-        log.info("traced %d nodes in %.2fs; strategies in %.2fs (memo %d hits / %d misses)",
-                 len(self.tg.gm.graph.nodes), self.timings["trace"], self.timings["strategies"],
-                 self.table.memo_hits, self.table.memo_misses)
+        log.info(
+            "traced %d nodes in %.2fs; strategies in %.2fs (memo %d hits / %d misses)",
+            len(self.tg.gm.graph.nodes),
+            self.timings["trace"],
+            self.timings["strategies"],
+            self.table.memo_hits,
+            self.table.memo_misses,
+        )
         self.estimator = Estimator(self.cost_model, tuple(self.mesh.shape))
         self.solver = PlacementSolver(self.tg, self.table, self.estimator)
         self.solver.regathered = regathered_params(
-            self.tg.params, self.reshard_after_forward, fsdp_units(self.model))
+            self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
+        )
         if self.param_dtype is not None:
             self.solver.no_comm_edges = self._mp_no_comm_edges()
         t = time.perf_counter()
@@ -209,8 +233,11 @@ class AutoParallel:
         names = {n: f for f, n in {**self.tg.params, **self.tg.buffers}.items()}
         self.solver.rep = cluster_nodes(self.table, unique=pinned, names=names)
         self._clustered_for = pinned
-        log.info("%d nodes share %d variable groups", len(self.table.nodes),
-                 len(set(self.solver.rep.values())))
+        log.info(
+            "%d nodes share %d variable groups",
+            len(self.table.nodes),
+            len(set(self.solver.rep.values())),
+        )
 
     def prepare(self) -> None:
         """Enumerate strategies, prune and group repeated nodes now (otherwise done lazily by
@@ -224,7 +251,9 @@ class AutoParallel:
 
     def _require_entered(self) -> None:
         if self.tg is None:
-            raise PlannerError("use AutoParallel as a context manager ('with AutoParallel(...) as autop')")
+            raise PlannerError(
+                "use AutoParallel as a context manager ('with AutoParallel(...) as autop')"
+            )
 
     # ------------------------------------------------------------------ constraints
     def _check_placements(self, what: str, pl: Sequence[Placement]) -> P.Placements:
@@ -232,13 +261,17 @@ class AutoParallel:
             raise ConstraintError(f"{what}: expected a tuple of Placement objects, got {pl!r}")
         if len(pl) != self.mesh.ndim:
             raise ConstraintError(
-                f"{what}: {len(pl)} placement(s) {P.fmt(pl)} for a {self.mesh.ndim}-D mesh {tuple(self.mesh.shape)}")
+                f"{what}: {len(pl)} placement(s) {P.fmt(pl)} for a {self.mesh.ndim}-D mesh "
+                f"{tuple(self.mesh.shape)}"
+            )
         for p in pl:
             if p.is_partial():
                 raise ConstraintError(f"{what}: Partial is not allowed in a pin ({P.fmt(pl)})")
         return tuple(pl)
 
-    def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> None:
+    def add_parameter_memory_constraint(
+        self, low: float | None = None, high: float | None = None
+    ) -> None:
         """Bound parameter bytes per rank, as a fraction of all parameter bytes.
 
         `high=None` means 1/world_size (fully sharded where shapes allow); `high=1.0` means no
@@ -255,23 +288,38 @@ class AutoParallel:
         if low is not None and low > high:
             raise ConstraintError(f"parameter memory low={low} > high={high}")
         self._constraints = [c for c in self._constraints if c.kind != "mem"]
-        self._constraints.append(UserConstraint(
-            f"parameter memory budget low={low} high={high:.4g}", "mem", low=low, high=high))
+        self._constraints.append(
+            UserConstraint(
+                f"parameter memory budget low={low} high={high:.4g}", "mem", low=low, high=high
+            )
+        )
 
     def add_memory_constraint(self, bytes_per_rank: int | float) -> None:
         """Bound predicted bytes per rank: parameters + gradients + AdamW state (2 fp32 per
         element) + saved activations (forward tensors the backward reads), see memory.py."""
         self._require_entered()
         if not bytes_per_rank or bytes_per_rank <= 0:
-            raise ConstraintError(f"memory budget must be a positive number of bytes, got {bytes_per_rank}")
+            raise ConstraintError(
+                f"memory budget must be a positive number of bytes, got {bytes_per_rank}"
+            )
         self._constraints = [c for c in self._constraints if c.kind != "bytes"]
-        self._constraints.append(UserConstraint(
-            f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank", "bytes", high=float(bytes_per_rank)))
+        self._constraints.append(
+            UserConstraint(
+                f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank",
+                "bytes",
+                high=float(bytes_per_rank),
+            )
+        )
 
     def add_input_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened input (None leaves that input free)."""
-        self._pin_each("input", placements, lambda i, pl: UserConstraint(
-            f"input {i} pinned to {P.fmt(pl)}", "pin", node=self.tg.inputs[i], placement=pl))
+        self._pin_each(
+            "input",
+            placements,
+            lambda i, pl: UserConstraint(
+                f"input {i} pinned to {P.fmt(pl)}", "pin", node=self.tg.inputs[i], placement=pl
+            ),
+        )
         for i, pl in enumerate(placements):
             if pl is not None:
                 self._check_even_split(i, pl)
@@ -288,21 +336,31 @@ class AutoParallel:
                 raise ConstraintError(
                     f"input {i} dim {d} has size {shape[d]}, which the {ways} ranks of mesh "
                     f"dim(s) {', '.join(names[k] for k in dims)} cannot split evenly; use a "
-                    f"size divisible by {ways}")
+                    f"size divisible by {ways}"
+                )
 
     def add_output_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened forward output (None leaves it free)."""
-        self._pin_each("output", placements, lambda i, pl: UserConstraint(
-            f"output {i} pinned to {P.fmt(pl)}", "pin", sink=i, placement=pl))
+        self._pin_each(
+            "output",
+            placements,
+            lambda i, pl: UserConstraint(
+                f"output {i} pinned to {P.fmt(pl)}", "pin", sink=i, placement=pl
+            ),
+        )
 
     def _pin_each(self, what: str, placements, make_constraint) -> None:
         self._require_entered()
         count = len(self.tg.inputs if what == "input" else self.tg.outputs)
         if len(placements) != count:
-            raise ConstraintError(f"add_{what}_constraints: {len(placements)} pins for {count} {what}s")
+            raise ConstraintError(
+                f"add_{what}_constraints: {len(placements)} pins for {count} {what}s"
+            )
         for i, pl in enumerate(placements):
             if pl is not None:
-                self._constraints.append(make_constraint(i, self._check_placements(f"{what} {i}", pl)))
+                self._constraints.append(
+                    make_constraint(i, self._check_placements(f"{what} {i}", pl))
+                )
 
     def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
         """Pin one parameter's placement (call before `optimize_placement`)."""
@@ -316,10 +374,14 @@ class AutoParallel:
                 if c.placement != pl:
                     raise ConstraintError(
                         f"parameter '{fqn}' pinned to {P.fmt(pl)}, but {c.name}: identical "
-                        "repeated blocks share one placement (use share_repeated=False)")
+                        "repeated blocks share one placement (use share_repeated=False)"
+                    )
                 return
-        self._constraints.append(UserConstraint(f"parameter '{fqn}' pinned to {P.fmt(pl)}", "pin",
-                                                node=node, placement=pl))
+        self._constraints.append(
+            UserConstraint(
+                f"parameter '{fqn}' pinned to {P.fmt(pl)}", "pin", node=node, placement=pl
+            )
+        )
 
     # ------------------------------------------------------------------ mixed precision
     def _mp_no_comm_edges(self) -> set:  # needs self.table
@@ -375,8 +437,11 @@ class AutoParallel:
             if node.op != "call_function":
                 continue
             st = pick(node)
-            nodes[node.name] = {"op": str(node.target), "ins": [P.fmt(p) for p in st.ins],
-                                "out": [P.fmt(p) for p in st.out]}
+            nodes[node.name] = {
+                "op": str(node.target),
+                "ins": [P.fmt(p) for p in st.ins],
+                "out": [P.fmt(p) for p in st.out],
+            }
             hubs = [sol.hubs.get((node, i)) for i in range(len(st.out))]
             if any(h is not None for h in hubs):  # where a value shared by consumers is sent
                 nodes[node.name]["hubs"] = [P.fmt(h) if h is not None else "-" for h in hubs]
@@ -385,8 +450,11 @@ class AutoParallel:
         fwd_comm = bwd_comm = 0.0
         for key, us in sol.edge_comm.items():
             node = key[0] if isinstance(key[0], torch.fx.Node) else None
-            us *= tg.weight(node) if node is not None else (
-                tg.weight(tg.params[key[1]]) if key[0] == "grad" else 1)
+            us *= (
+                tg.weight(node)
+                if node is not None
+                else (tg.weight(tg.params[key[1]]) if key[0] == "grad" else 1)
+            )
             if node is not None and node in tg.forward_nodes:
                 fwd_comm += us
             elif key[0] == "output":
@@ -396,8 +464,10 @@ class AutoParallel:
         param_comm = self._param_comm(sol)
         nbytes = lambda n: n.meta["val"].numel() * n.meta["val"].element_size() * tg.weight(n)  # noqa: E731
         total = sum(nbytes(n) for n in tg.params.values())
-        local = sum(nbytes(n) * P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
-                    for n in tg.params.values())
+        local = sum(
+            nbytes(n) * P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
+            for n in tg.params.values()
+        )
         names = list(self.mesh.mesh_dim_names or [f"dim{i}" for i in range(self.mesh.ndim)])
         # parameters and buffers of the whole model, each read off the traced one standing for it
         full_params = list(self.param_shapes())
@@ -405,27 +475,43 @@ class AutoParallel:
         traced = self._traced_name
         grads = {f: P.fmt(pl) for f, pl in sol.grad_placement.items()}
         return Plan(
-            mesh_shape=list(self.mesh.shape), mesh_dim_names=names,
+            mesh_shape=list(self.mesh.shape),
+            mesh_dim_names=names,
             params={f: P.fmt(pick(tg.params[traced(f)]).out[0]) for f in full_params},
             grads={f: grads[traced(f)] for f in full_params if traced(f) in grads},
-            buffers={f: P.fmt(pick(tg.buffers[traced(f)]).out[0]) for f in full_buffers
-                     if traced(f) in tg.buffers},
+            buffers={
+                f: P.fmt(pick(tg.buffers[traced(f)]).out[0])
+                for f in full_buffers
+                if traced(f) in tg.buffers
+            },
             inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
             outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
             nodes=nodes,
             param_shapes=self.param_shapes(),
-            param_comm_us={f: param_comm[traced(f)] for f in full_params if traced(f) in param_comm},
-            predicted={"compute_us": sol.compute_us, "comm_us": sol.comm_us,
-                       # parameter gathers / gradient reductions hide behind up to
-                       # overlap_efficiency x compute; activation communication is exposed
-                       "overlappable_comm_us": sol.overlappable_comm_us,
-                       "exposed_comm_us": sol.exposed_comm_us,
-                       "step_us": sol.compute_us + sol.exposed_comm_us,
-                       "fwd_comm_us": fwd_comm, "bwd_comm_us": bwd_comm,
-                       "param_fraction": (local / total) if total else 1.0,
-                       **plan_memory(tg, table, sol.choice, regathered=self.solver.regathered)},
-            solver={"status": sol.status, "optimal": sol.optimal, "gap": sol.gap, "objective": sol.objective,
-                    "num_vars": sol.num_vars, "num_rows": sol.num_rows},
+            param_comm_us={
+                f: param_comm[traced(f)] for f in full_params if traced(f) in param_comm
+            },
+            predicted={
+                "compute_us": sol.compute_us,
+                "comm_us": sol.comm_us,
+                # parameter gathers / gradient reductions hide behind up to
+                # overlap_efficiency x compute; activation communication is exposed
+                "overlappable_comm_us": sol.overlappable_comm_us,
+                "exposed_comm_us": sol.exposed_comm_us,
+                "step_us": sol.compute_us + sol.exposed_comm_us,
+                "fwd_comm_us": fwd_comm,
+                "bwd_comm_us": bwd_comm,
+                "param_fraction": (local / total) if total else 1.0,
+                **plan_memory(tg, table, sol.choice, regathered=self.solver.regathered),
+            },
+            solver={
+                "status": sol.status,
+                "optimal": sol.optimal,
+                "gap": sol.gap,
+                "objective": sol.objective,
+                "num_vars": sol.num_vars,
+                "num_rows": sol.num_rows,
+            },
             timings=dict(self.timings),
             graph_fingerprint=graph_fingerprint(tg.gm),
             blocks=[b.to_json() for b in self.blocks] if tg.shallow else [],
@@ -457,9 +543,18 @@ class AutoParallel:
             tg = self.full_graph()
             plan = expand_plan(plan, tg)
         t = time.perf_counter()
-        runner = GraphRunner(tg, plan, self.mesh, self.reduce_dtype, self.grad_reduction,
-                             self.backward, self.executor, self.reshard_after_forward,
-                             self.bucket, fsdp_units(self.model))
+        runner = GraphRunner(
+            tg,
+            plan,
+            self.mesh,
+            self.reduce_dtype,
+            self.grad_reduction,
+            self.backward,
+            self.executor,
+            self.reshard_after_forward,
+            self.bucket,
+            fsdp_units(self.model),
+        )
         pm = build_parallel_module(self.model, tg, plan, self.mesh, runner)
         self.timings["apply"] = time.perf_counter() - t
         plan.timings["apply"] = self.timings["apply"]
@@ -471,5 +566,6 @@ def expand_plan(plan: Plan, full_tg) -> Plan:
     """The plan of a shallow trace, re-keyed by the nodes of the whole model's graph."""
     blocks = [repeat.RepeatedBlocks.from_json(b) for b in plan.blocks]
     nodes = repeat.expand_nodes(plan.nodes, full_tg.gm, full_tg.labels, blocks)
-    return dataclasses.replace(plan, nodes=nodes, blocks=[],
-                               graph_fingerprint=graph_fingerprint(full_tg.gm))
+    return dataclasses.replace(
+        plan, nodes=nodes, blocks=[], graph_fingerprint=graph_fingerprint(full_tg.gm)
+    )

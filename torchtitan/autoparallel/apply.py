@@ -68,8 +68,11 @@ class _ParamCast:
         pl = tuple(pl) if pl is not None else tuple(self.param.placements)
         if pl not in self.cache:
             self.cache[pl] = self.param.redistribute(
-                self.param.device_mesh, pl, forward_dtype=self.dtype,
-                backward_dtype=self.reduce_dtype or self.param.dtype)
+                self.param.device_mesh,
+                pl,
+                forward_dtype=self.dtype,
+                backward_dtype=self.reduce_dtype or self.param.dtype,
+            )
         return self.cache[pl]
 
 
@@ -82,17 +85,26 @@ def _meta_dtensor(t: torch.Tensor, mesh: DeviceMesh, pl: P.Placements) -> DTenso
 class GraphRunner:
     """Executes the forward part of the traced graph over DTensors following a plan."""
 
-    def __init__(self, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
-                 reduce_dtype: torch.dtype | None = None, grad_reduction: str = "mean",
-                 backward: str = "plan", executor: str = "lowered",
-                 reshard_after_forward: bool | str = True, bucket: bool = True,
-                 units: list[str] | None = None):
+    def __init__(
+        self,
+        tg: TracedGraph,
+        plan: Plan,
+        mesh: DeviceMesh,
+        reduce_dtype: torch.dtype | None = None,
+        grad_reduction: str = "mean",
+        backward: str = "plan",
+        executor: str = "lowered",
+        reshard_after_forward: bool | str = True,
+        bucket: bool = True,
+        units: list[str] | None = None,
+    ):
         if plan.graph_fingerprint and plan.graph_fingerprint != graph_fingerprint(tg.gm):
             raise PlannerError(
                 "plan was made for a different traced graph (fingerprint mismatch); if this "
                 "happens on some ranks of one job, the model's forward traced differently on "
                 "them, e.g. by iterating over a set of strings, whose order differs per process: "
-                "set PYTHONHASHSEED to one value on every rank (run_train.sh sets 0)")
+                "set PYTHONHASHSEED to one value on every rank (run_train.sh sets 0)"
+            )
         if list(plan.mesh_shape) != list(mesh.shape):
             raise PlannerError(f"plan is for mesh {plan.mesh_shape}, got mesh {list(mesh.shape)}")
         if grad_reduction not in ("mean", "sum"):
@@ -101,8 +113,10 @@ class GraphRunner:
             raise PlannerError(f"backward must be 'plan' or 'autograd', got '{backward}'")
         policy = {True: "always", False: "never"}.get(reshard_after_forward, reshard_after_forward)
         if policy not in ("always", "never", "default"):
-            raise PlannerError("reshard_after_forward must be True, False, 'always', 'never' or "
-                               f"'default', got {reshard_after_forward!r}")
+            raise PlannerError(
+                "reshard_after_forward must be True, False, 'always', 'never' or "
+                f"'default', got {reshard_after_forward!r}"
+            )
         if executor not in ("lowered", "dtensor"):
             raise PlannerError(f"executor must be 'lowered' or 'dtensor', got '{executor}'")
         self.tg, self.plan, self.mesh = tg, plan, mesh
@@ -114,16 +128,25 @@ class GraphRunner:
         self._lowered: dict = {}  # input signature -> LoweredPlan (executor.py)
         self.reduce_dtype = reduce_dtype
         self.grad_reduction = grad_reduction
-        self.order = [n for n in tg.gm.graph.nodes
-                      if n in tg.forward_nodes and n.op == "call_function"]
-        self.ins = {name: [P.parse(s) if s != "-" else None for s in d["ins"]]
-                    for name, d in plan.nodes.items()}
-        missing = [n.name for n in self.order if not is_getitem(n) and n.name not in self.ins
-                   and isinstance(n.meta.get("val"), (torch.Tensor, list, tuple))]
+        self.order = [
+            n for n in tg.gm.graph.nodes if n in tg.forward_nodes and n.op == "call_function"
+        ]
+        self.ins = {
+            name: [P.parse(s) if s != "-" else None for s in d["ins"]]
+            for name, d in plan.nodes.items()
+        }
+        missing = [
+            n.name
+            for n in self.order
+            if not is_getitem(n)
+            and n.name not in self.ins
+            and isinstance(n.meta.get("val"), (torch.Tensor, list, tuple))
+        ]
         if missing:
             raise PlannerError(f"plan has no entry for graph node '{missing[0]}'")
-        self.backward_order = [n for n in tg.gm.graph.nodes
-                               if n.op == "call_function" and n not in tg.forward_nodes]
+        self.backward_order = [
+            n for n in tg.gm.graph.nodes if n.op == "call_function" and n not in tg.forward_nodes
+        ]
         self.hubs = _hubs(tg, plan)
         self.grad_pls = {f: P.parse(s) for f, s in plan.grads.items()}
         self.input_pls = [P.parse(s) for s in plan.inputs]
@@ -131,14 +154,21 @@ class GraphRunner:
         self.param_of = {n: f for f, n in tg.params.items()}
         casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
         self.param_casts = {
-            n: n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 else None) for n in self.order
-            if n.target in casts and n.args and n.args[0] in self.param_of
-            and set(n.kwargs) <= {"dtype"}}
+            n: n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 else None)
+            for n in self.order
+            if n.target in casts
+            and n.args
+            and n.args[0] in self.param_of
+            and set(n.kwargs) <= {"dtype"}
+        }
         self.buffer_of = {n: f for f, n in tg.buffers.items()}
         # tensors the model's forward creates from Python values (`torch.tensor([-2])`) are
         # attributes of the traced graph: the same on every rank, so replicated
-        self.constants = {n: getattr(tg.gm, n.target) for n in tg.gm.graph.nodes
-                          if n.op == "get_attr" and isinstance(getattr(tg.gm, n.target), torch.Tensor)}
+        self.constants = {
+            n: getattr(tg.gm, n.target)
+            for n in tg.gm.graph.nodes
+            if n.op == "get_attr" and isinstance(getattr(tg.gm, n.target), torch.Tensor)
+        }
         # drop each value as soon as nothing later reads it (as autograd frees what it no
         # longer needs): otherwise every forward and backward value lives until the step ends
         outputs = set(tg.outputs)
@@ -146,7 +176,8 @@ class GraphRunner:
         self.release_forward = _release_schedule(self.order, outputs)
         self.release_joint_forward = _release_schedule(self.order, outputs | saved)
         self.release_backward = _release_schedule(
-            self.backward_order, {g for g in tg.grads.values() if g is not None})
+            self.backward_order, {g for g in tg.grads.values() if g is not None}
+        )
 
     def _run_nodes(self, nodes: list, env: dict, device, param_casts: bool, release: dict) -> None:
         for node in nodes:
@@ -161,8 +192,9 @@ class GraphRunner:
             return None
         from .buckets import regathered_params
 
-        return set(self.tg.params) - regathered_params(self.tg.params, self.reshard_policy,
-                                                       self.units)
+        return set(self.tg.params) - regathered_params(
+            self.tg.params, self.reshard_policy, self.units
+        )
 
     def _local_meta(self, i: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Local shape and dtype of forward output i in its planned placement."""
@@ -173,7 +205,9 @@ class GraphRunner:
     def _batch_ranks(self) -> int:
         if not self.input_pls:
             return 1
-        return math.prod(n for p, n in zip(self.input_pls[0], self.mesh.shape) if isinstance(p, Shard))
+        return math.prod(
+            n for p, n in zip(self.input_pls[0], self.mesh.shape) if isinstance(p, Shard)
+        )
 
     def _redistribute(self, v: DTensor, pl: P.Placements) -> DTensor:
         if v.placements == pl:
@@ -181,8 +215,11 @@ class GraphRunner:
         if any(p.is_partial() and q != p for p, q in zip(pl, v.placements)):
             return v  # never created by the plan; let DTensor decide
         bwd = None
-        if self.reduce_dtype is not None and v.dtype.is_floating_point and \
-                v.dtype.itemsize < self.reduce_dtype.itemsize:
+        if (
+            self.reduce_dtype is not None
+            and v.dtype.is_floating_point
+            and v.dtype.itemsize < self.reduce_dtype.itemsize
+        ):
             bwd = self.reduce_dtype
         return v.redistribute(self.mesh, pl, backward_dtype=bwd)
 
@@ -191,15 +228,21 @@ class GraphRunner:
         if not isinstance(x, torch.Tensor):
             raise PlannerError(f"input {i} must be a tensor, got {type(x).__name__}")
         if isinstance(x, DTensor):
-            return x.redistribute(self.mesh, self.input_pls[i]) if x.placements != self.input_pls[i] else x
+            return (
+                x.redistribute(self.mesh, self.input_pls[i])
+                if x.placements != self.input_pls[i]
+                else x
+            )
         pl = self.input_pls[i]
         expect, _ = compute_local_shape_and_global_offset(val.shape, self.mesh, pl)
         if tuple(x.shape) != tuple(expect):
             raise PlannerError(
                 f"input {i} has local shape {tuple(x.shape)}, expected {tuple(expect)} "
-                f"(global {tuple(val.shape)} with placement {P.fmt(pl)}; pass this rank's shard)")
-        return DTensor.from_local(x, self.mesh, pl, run_check=False, shape=val.shape,
-                                  stride=val.stride())
+                f"(global {tuple(val.shape)} with placement {P.fmt(pl)}; pass this rank's shard)"
+            )
+        return DTensor.from_local(
+            x, self.mesh, pl, run_check=False, shape=val.shape, stride=val.stride()
+        )
 
     # ------------------------------------------------------------------ execution
     def _exec(self, node: fx.Node, env: dict, device, param_casts: bool) -> None:
@@ -223,8 +266,12 @@ class GraphRunner:
                 k = next(counter, None)
                 if isinstance(v, _ParamCast):
                     return v.get(targets[k] if k is not None else None)
-                if k is not None and isinstance(v, DTensor) and targets[k] is not None \
-                        and v.placements != targets[k]:
+                if (
+                    k is not None
+                    and isinstance(v, DTensor)
+                    and targets[k] is not None
+                    and v.placements != targets[k]
+                ):
                     # once per (value, placement), every consumer reusing it; through the
                     # value's hub where the plan has one (as the solver priced it)
                     cache = env.setdefault(_REDISTRIBUTED, {}).setdefault(a, {})
@@ -273,8 +320,10 @@ class GraphRunner:
     def constant_values(self, device) -> dict[fx.Node, DTensor]:
         """The graph's constant tensors as replicated DTensors on `device`."""
         rep = tuple(Replicate() for _ in self.mesh.shape)
-        return {n: DTensor.from_local(c.to(device), self.mesh, rep, run_check=False)
-                for n, c in self.constants.items()}
+        return {
+            n: DTensor.from_local(c.to(device), self.mesh, rep, run_check=False)
+            for n, c in self.constants.items()
+        }
 
     @torch._dynamo.disable
     def run(self, module: nn.Module, args: tuple) -> Any:
@@ -291,15 +340,25 @@ class GraphRunner:
 
             return self._finish(run_lowered(self, env, device, self.compile_kwargs))
         env.update(self.constant_values(device))
-        joint = self.backward == "plan" and torch.is_grad_enabled() and any(
-            isinstance(env[n], torch.Tensor) and env[n].requires_grad for n in tg.params.values())
+        joint = (
+            self.backward == "plan"
+            and torch.is_grad_enabled()
+            and any(
+                isinstance(env[n], torch.Tensor) and env[n].requires_grad
+                for n in tg.params.values()
+            )
+        )
         if joint:
             keys = list(env)
             dts = _JointFunction.apply(self, device, keys, *[env[k] for k in keys])
         else:
             self._run_nodes(self.order, env, device, True, self.release_forward)
-            dts = [self._redistribute(env[n], self.output_pls[i]) if isinstance(env[n], DTensor)
-                   else env[n] for i, n in enumerate(tg.outputs)]
+            dts = [
+                self._redistribute(env[n], self.output_pls[i])
+                if isinstance(env[n], DTensor)
+                else env[n]
+                for i, n in enumerate(tg.outputs)
+            ]
         return self._finish(dts)
 
     def _finish(self, dts: list) -> Any:
@@ -380,13 +439,20 @@ class _JointFunction(torch.autograd.Function):
                 g = grads[i]
                 if g is None:
                     out = env[tg.outputs[i]]
-                    g = DTensor.from_local(torch.zeros_like(out.to_local()), runner.mesh,
-                                           out.placements, run_check=False, shape=out.shape,
-                                           stride=out.stride())
+                    g = DTensor.from_local(
+                        torch.zeros_like(out.to_local()),
+                        runner.mesh,
+                        out.placements,
+                        run_check=False,
+                        shape=out.shape,
+                        stride=out.stride(),
+                    )
                 if not isinstance(g, DTensor):
                     g = DTensor.from_local(g, runner.mesh, runner.output_pls[i], run_check=False)
                 env[t] = runner._redistribute(g, runner.output_pls[i])
-            runner._run_nodes(runner.backward_order, env, ctx.device, False, runner.release_backward)
+            runner._run_nodes(
+                runner.backward_order, env, ctx.device, False, runner.release_backward
+            )
             out = []
             for k in ctx.keys:
                 fqn = runner.param_of.get(k)
@@ -399,8 +465,9 @@ class _JointFunction(torch.autograd.Function):
         return (None, None, None, *out)
 
 
-def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: DeviceMesh,
-                          runner: GraphRunner) -> nn.Module:
+def build_parallel_module(
+    model: nn.Module, tg: TracedGraph, plan: Plan, mesh: DeviceMesh, runner: GraphRunner
+) -> nn.Module:
     """Copy `model` (on meta), swap in DTensor params/buffers, and route forward to `runner`."""
     pm = copy.deepcopy(model)
     rep = tuple(Replicate() for _ in mesh.shape)
@@ -438,12 +505,19 @@ def build_parallel_module(model: nn.Module, tg: TracedGraph, plan: Plan, mesh: D
         torch.compile."""
         self._ap_runner.compile_kwargs = dict(kwargs)
 
-    attrs: dict[str, Any] = {"forward": forward, "compile": compile, "__module__": user_cls.__module__}
+    attrs: dict[str, Any] = {
+        "forward": forward,
+        "compile": compile,
+        "__module__": user_cls.__module__,
+    }
     if hasattr(user_cls, "init_weights"):
+
         def init_weights(self, *a, **kw):
             from torchtitan.distributed.sharded_init import exact_sharded_init
+
             with exact_sharded_init(self):
                 return user_cls.init_weights(self, *a, **kw)
+
         init_weights.__doc__ = getattr(user_cls.init_weights, "__doc__", None)
         attrs["init_weights"] = init_weights
     pm.__class__ = type(f"AutoParallel{user_cls.__name__}", (user_cls,), attrs)

@@ -8,13 +8,14 @@ backward.
 
 While tracing, `route_attention()` sends every SDPA call without dropout or grouped heads —
 with or without a mask (a boolean one becomes additive, as SDPA makes it; transformers' decoders
-pass one while traced) — to `torch.ops.titan.sdpa` (forward) and `torch.ops.titan.sdpa_backward`, so the joint
-graph holds attention as two nodes.  Their sharding rules (registered with DTensor, so the
-same rules serve planning and execution) split batch or heads on any mesh dim; the backward
-recomputes the forward from q, k, v (saved activations are those of a flash kernel: q, k, v).
-On CPU both run torch's fused flash kernels — the forward is the very call the unplanned
-model makes; elsewhere the forward is `F.scaled_dot_product_attention` and the backward the
-textbook softmax gradient.  Other SDPA calls keep the MATH decomposition.
+pass one while traced) — to `torch.ops.titan.sdpa` (forward) and
+`torch.ops.titan.sdpa_backward`, so the joint graph holds attention as two nodes.  Their
+sharding rules (registered with DTensor, so the same rules serve planning and execution) split
+batch or heads on any mesh dim; the backward recomputes the forward from q, k, v (saved
+activations are those of a flash kernel: q, k, v). On CPU both run torch's fused flash kernels
+— the forward is the very call the unplanned model makes; elsewhere the forward is
+`F.scaled_dot_product_attention` and the backward the textbook softmax gradient.  Other SDPA
+calls keep the MATH decomposition.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ _aten = torch.ops.aten
 
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool,
-         scale: Optional[float]) -> Tensor:
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: Optional[float]
+) -> Tensor:
     """Attention over [batch, heads, seq, head_dim]; `mask` (or None) is added to the scores
     (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]); output contiguous."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                          scale=scale).contiguous()
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
+    ).contiguous()
 
 
 @sdpa.register_fake
@@ -49,9 +52,15 @@ def _(q, k, v, mask, is_causal, scale):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                               mask: Optional[Tensor], is_causal: bool,
-                               scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention w.r.t. q, k, v from the textbook formulas (probabilities
     recomputed in float32), for any device; contiguous."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -72,8 +81,15 @@ def softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
 
 
 @torch.library.custom_op("titan::sdpa_backward", mutates_args=())
-def sdpa_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                  is_causal: bool, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def sdpa_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sdpa` w.r.t. q, k, v, recomputing the forward; outputs contiguous."""
     return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
 
@@ -83,9 +99,11 @@ def _(grad_out, q, k, v, mask, is_causal, scale):
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # the fused CPU kernel's one limit here
         return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
     grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
     return tuple(g.contiguous() for g in grads)
 
 
@@ -93,14 +111,32 @@ def _(grad_out, q, k, v, mask, is_causal, scale):
 def _(grad_out, q, k, v, mask, is_causal, scale):
     # 16-bit with equal head dims and no mask: recompute with the flash kernel, then its
     # backward (no seq x seq tensor); anything else takes the textbook gradient
-    if q.dtype not in (torch.float16, torch.bfloat16) or mask is not None \
-            or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+    if (
+        q.dtype not in (torch.float16, torch.bfloat16)
+        or mask is not None
+        or not q.shape[-1] == k.shape[-1] == v.shape[-1]
+    ):
         return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _mask = \
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _mask = (
         _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    )
     grads = _aten._scaled_dot_product_flash_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal,
-        seed, offset, scale=scale)
+        grad_out.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        is_causal,
+        seed,
+        offset,
+        scale=scale,
+    )
     return tuple(g.contiguous() for g in grads)
 
 
@@ -159,33 +195,53 @@ def _sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> i
 
 
 @register_flop_formula(torch.ops.titan.sdpa_backward)
-def _sdpa_backward_flops(g_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_backward_flops(
+    g_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs
+) -> int:
     return 3 * _attention_flops(q_shape, k_shape, v_shape)
 
 
 # ---- routing F.scaled_dot_product_attention while tracing
-def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False) -> dict:
-    return dict(q=query, k=key, v=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+def _sdpa_args(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> dict:
+    return dict(
+        q=query,
+        k=key,
+        v=value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def _routable(a: dict) -> bool:
     q, k, v, mask = a["q"], a["k"], a["v"], a["attn_mask"]
-    return (a["dropout_p"] == 0.0 and not a["enable_gqa"]
-            and all(isinstance(t, Tensor) and t.ndim == 4 for t in (q, k, v))
-            and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-            and q.dtype == k.dtype == v.dtype
-            and (mask is None or _routable_mask(mask, q, k)))
+    return (
+        a["dropout_p"] == 0.0
+        and not a["enable_gqa"]
+        and all(isinstance(t, Tensor) and t.ndim == 4 for t in (q, k, v))
+        and q.shape[:2] == k.shape[:2] == v.shape[:2]
+        and k.shape[2] == v.shape[2]
+        and q.dtype == k.dtype == v.dtype
+        and (mask is None or _routable_mask(mask, q, k))
+    )
 
 
 def _routable_mask(mask, q: Tensor, k: Tensor) -> bool:
     """A bool or q-dtype mask over [[batch or 1,] [heads or 1,] q_seq, k_seq]."""
-    if not (isinstance(mask, Tensor) and 2 <= mask.ndim <= 4 and mask.dtype in (torch.bool, q.dtype)):
+    if not (
+        isinstance(mask, Tensor) and 2 <= mask.ndim <= 4 and mask.dtype in (torch.bool, q.dtype)
+    ):
         return False
     shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
-    return (shape[0] in (1, q.shape[0]) and shape[1] in (1, q.shape[1])
-            and shape[2:] == (q.shape[2], k.shape[2]))
+    return (
+        shape[0] in (1, q.shape[0])
+        and shape[1] in (1, q.shape[1])
+        and shape[2:] == (q.shape[2], k.shape[2])
+    )
 
 
 def _additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -195,7 +251,9 @@ def _additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
     if mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )
 
 
 class _RouteAttention(TorchFunctionMode):

@@ -88,8 +88,12 @@ def regathered_params(fqns, policy: bool | str, units: list[str]) -> frozenset[s
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-                n.target.namespace == "_c10d_functional" and n.target is not WAIT:
+        if (
+            n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "_c10d_functional"
+            and n.target is not WAIT
+        ):
             out[n.target._opname] += 1
     return dict(out)
 
@@ -119,8 +123,9 @@ def _single_wait(c: fx.Node) -> fx.Node | None:
 
 
 class _GraphBuckets:
-    def __init__(self, gm: fx.GraphModule, params: dict, grads: dict, units: list[str],
-                 enabled: bool):
+    def __init__(
+        self, gm: fx.GraphModule, params: dict, grads: dict, units: list[str], enabled: bool
+    ):
         self.gm, self.graph = gm, gm.graph
         self.params, self.grads, self.units, self.enabled = params, grads, units, enabled
         self.side = param_side(self.graph.nodes, set(params))
@@ -161,7 +166,11 @@ class _GraphBuckets:
         for o, fqn in self.grads.items():
             chain, cur = [], o
             while cur.op == "call_function" and len(cur.all_input_nodes) == 1:
-                if cur.target in (RS, AR) and cur not in self.side and _single_wait(cur) is not None:
+                if (
+                    cur.target in (RS, AR)
+                    and cur not in self.side
+                    and _single_wait(cur) is not None
+                ):
                     chain.append(cur)
                 cur = cur.all_input_nodes[0]
             chain.reverse()
@@ -174,8 +183,10 @@ class _GraphBuckets:
         first: dict[fx.Node, float] = {}
         for n in reversed(list(self.graph.nodes)):
             if n in self.side:
-                first[n] = min((first[u] if u in self.side else self.index[u] for u in n.users),
-                               default=math.inf)
+                first[n] = min(
+                    (first[u] if u in self.side else self.index[u] for u in n.users),
+                    default=math.inf,
+                )
         return first
 
     # ------------------------------------------------------------------ rewrite
@@ -186,12 +197,21 @@ class _GraphBuckets:
         unit_first: dict[str, float] = {}
         for c, level in gathers.items():
             unit = unit_of(self._origin(c), self.units)
-            groups[(unit, level, True, c.target, tuple(c.args[1:]),
-                    c.args[0].meta["val"].dtype)].append(c)
+            groups[
+                (unit, level, True, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)
+            ].append(c)
             unit_first[unit] = min(unit_first.get(unit, math.inf), first[c])
         for c, (fqn, level, last) in reductions.items():
-            groups[(unit_of(fqn, self.units), level, last, c.target, tuple(c.args[1:]),
-                    c.args[0].meta["val"].dtype)].append(c)
+            groups[
+                (
+                    unit_of(fqn, self.units),
+                    level,
+                    last,
+                    c.target,
+                    tuple(c.args[1:]),
+                    c.args[0].meta["val"].dtype,
+                )
+            ].append(c)
 
         anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
         reduction_waits: list[fx.Node] = []  # waits of a chain's last reduction
@@ -199,7 +219,8 @@ class _GraphBuckets:
         issue_at = {u: (unit_first[order[i - 1]] + 0.5 if i else -1.0) for i, u in enumerate(order)}
         # merge in chain order: a later level's inputs are an earlier level's outputs
         for (unit, level, last, target, _args, _dt), members in sorted(
-                groups.items(), key=lambda kv: kv[0][1]):
+            groups.items(), key=lambda kv: kv[0][1]
+        ):
             if self.enabled and len(members) > 1:
                 members = [self._merge(target, members)]
             for c in members:
@@ -227,14 +248,17 @@ class _GraphBuckets:
                 parts = g.call_function(_aten.split_with_sizes.default, (rows, numels, 1))
                 outs = []
                 for i, s in enumerate(shapes):
-                    out = g.call_function(_aten.reshape.default, (
-                        g.call_function(operator.getitem, (parts, i)), [n * s[0], *s[1:]]))
+                    out = g.call_function(
+                        _aten.reshape.default,
+                        (g.call_function(operator.getitem, (parts, i)), [n * s[0], *s[1:]]),
+                    )
                     if s[0] == 1 and n > 1 and len(shapes) > 1:
                         # merging ranks with a size-1 leading dim is no copy: the result would
                         # be a strided column of the buffer, where the plain gather was
                         # contiguous (and a later `view` relies on that)
-                        out = g.call_function(_aten.clone.default, (out,),
-                                              {"memory_format": torch.contiguous_format})
+                        out = g.call_function(
+                            _aten.clone.default, (out,), {"memory_format": torch.contiguous_format}
+                        )
                     outs.append(out)
             else:
                 n = extra[1] if target is RS else 1
@@ -243,11 +267,19 @@ class _GraphBuckets:
                 coll = g.call_function(target, (buf, *extra))
                 w = g.call_function(WAIT, (coll,))
                 flat = g.call_function(_aten.view.default, (w, [-1]))
-                parts = g.call_function(_aten.split_with_sizes.default,
-                                        (flat, [k // n for k in numels], 0))
-                outs = [g.call_function(_aten.view.default, (
-                    g.call_function(operator.getitem, (parts, i)), [s[0] // n, *s[1:]] if target is RS else s))
-                        for i, s in enumerate(shapes)]
+                parts = g.call_function(
+                    _aten.split_with_sizes.default, (flat, [k // n for k in numels], 0)
+                )
+                outs = [
+                    g.call_function(
+                        _aten.view.default,
+                        (
+                            g.call_function(operator.getitem, (parts, i)),
+                            [s[0] // n, *s[1:]] if target is RS else s,
+                        ),
+                    )
+                    for i, s in enumerate(shapes)
+                ]
         for c, o in zip(members, outs):
             old_wait = next(iter(c.users))
             o.meta = dict(old_wait.meta)  # what a later level's merge reads

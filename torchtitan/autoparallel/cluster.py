@@ -39,8 +39,12 @@ def name_pattern(fqn: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
 
 
-def cluster_nodes(table: StrategyTable, rounds: int = 4, unique: set[fx.Node] = frozenset(),
-                  names: dict[fx.Node, str] | None = None) -> dict[fx.Node, fx.Node]:
+def cluster_nodes(
+    table: StrategyTable,
+    rounds: int = 4,
+    unique: set[fx.Node] = frozenset(),
+    names: dict[fx.Node, str] | None = None,
+) -> dict[fx.Node, fx.Node]:
     """Map every strategy node to its group representative (the first member in graph order).
 
     Nodes in `unique` (e.g. pinned parameters) are never grouped with others.  `names` gives
@@ -59,8 +63,13 @@ def cluster_nodes(table: StrategyTable, rounds: int = 4, unique: set[fx.Node] = 
         if ns.role in ("input", "tangent") or n in unique:
             base = ("unique", n.name)
         else:
-            base = (ns.role, str(n.target) if n.op == "call_function" else "ph",
-                    _const(n.args), _const(n.kwargs), name_pattern(names.get(n, "")))
+            base = (
+                ns.role,
+                str(n.target) if n.op == "call_function" else "ph",
+                _const(n.args),
+                _const(n.kwargs),
+                name_pattern(names.get(n, "")),
+            )
         sig[n] = hash((base, strat_sig[key]))
     users: dict[fx.Node, list[tuple[fx.Node, int]]] = defaultdict(list)
     for n in nodes:

@@ -89,6 +89,7 @@ class CostModel:
         key = name.lower()
         if key not in DEVICES:
             from .errors import PlannerError
+
             raise PlannerError(f"unknown device '{name}'; known: {sorted(DEVICES)}")
         intra, inter = LINKS[key]
         return cls(device=DEVICES[key], intra=intra, inter=inter, **overrides)
@@ -97,13 +98,16 @@ class CostModel:
         if self.links is not None:
             if len(self.links) != len(mesh_shape):
                 from .errors import PlannerError
-                raise PlannerError(f"cost model has {len(self.links)} links for a {len(mesh_shape)}-D mesh")
+
+                raise PlannerError(
+                    f"cost model has {len(self.links)} links for a {len(mesh_shape)}-D mesh"
+                )
             return list(self.links)
         intra = self.intra or LINKS["h100"][0]
         inter = self.inter or LINKS["h100"][1]
         out = []
         for d, n in enumerate(mesh_shape):
-            inner = math.prod(mesh_shape[d + 1:])
+            inner = math.prod(mesh_shape[d + 1 :])
             out.append(intra if inner * n <= self.gpus_per_node else inter)
         return out
 
@@ -120,7 +124,10 @@ def resolve_cost_model(cost_model) -> CostModel:
     if isinstance(cost_model, str):
         return CostModel.for_device(cost_model)
     from .errors import PlannerError
-    raise PlannerError(f"cost_model must be a CostModel or a device name, got {type(cost_model).__name__}")
+
+    raise PlannerError(
+        f"cost_model must be a CostModel or a device name, got {type(cost_model).__name__}"
+    )
 
 
 class Estimator:
@@ -226,7 +233,9 @@ def _flops(f, op, args, in_vals, in_pls, out_vals, out_pls, mesh_shape) -> float
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
                 val, pl = next(it)
-                return torch.Size(P.local_shape(val.shape, pl, mesh_shape) if pl is not None else val.shape)
+                return torch.Size(
+                    P.local_shape(val.shape, pl, mesh_shape) if pl is not None else val.shape
+                )
             return v
         if isinstance(a, (list, tuple)):
             return type(a)(loc(x) for x in a)
@@ -234,8 +243,11 @@ def _flops(f, op, args, in_vals, in_pls, out_vals, out_pls, mesh_shape) -> float
 
     try:
         local_args = [loc(a) for a in args]
-        outs = [torch.Size(P.local_shape(v.shape, pl, mesh_shape)) if pl is not None else v.shape
-                for v, pl in zip(out_vals, out_pls) if isinstance(v, torch.Tensor)]
+        outs = [
+            torch.Size(P.local_shape(v.shape, pl, mesh_shape)) if pl is not None else v.shape
+            for v, pl in zip(out_vals, out_pls)
+            if isinstance(v, torch.Tensor)
+        ]
         out_val = outs[0] if len(outs) == 1 else tuple(outs)
         return float(f(*local_args, out_val=out_val))
     except Exception:

@@ -5,9 +5,10 @@ lowered once (lower.py), partitioned into a forward and a backward graph, and it
 grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
 ATen ops and functional collectives, no DTensor dispatch.  After `module.compile()` the *same*
 two graphs are handed to `torch.compile`.  The eager backward takes its inputs as one list it
-empties (saved values die at their last use); the compiled one holds them until it returns.  A custom autograd function connects them: the
-forward graph returns the outputs and the saved values, the backward graph maps those and the
-output gradients to parameter gradients in their planned placements.
+empties (saved values die at their last use); the compiled one holds them until it returns.  A
+custom autograd function connects them: the forward graph returns the outputs and the saved
+values, the backward graph maps those and the output gradients to parameter gradients in their
+planned placements.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from .lower import lower_joint, partition
 class LoweredPlan:
     """The forward and backward local graphs of one input signature, ready to call."""
 
-    def __init__(self, runner, keys: list[fx.Node], placements: list, locals_: list,
-                 device, compile_kwargs: dict | None):
+    def __init__(
+        self,
+        runner,
+        keys: list[fx.Node],
+        placements: list,
+        locals_: list,
+        device,
+        compile_kwargs: dict | None,
+    ):
         tg = runner.tg
         out_vals = [runner._local_meta(i) for i in range(len(tg.outputs))]
         tangent_keys, tangent_pls, tangent_locals = [], [], []
@@ -37,8 +45,9 @@ class LoweredPlan:
             tangent_locals.append(torch.empty(shape, dtype=dtype, device=device))
             self.tangent_slots.append(i)
         self.out_like = out_vals
-        joint = lower_joint(runner, keys + tangent_keys, placements + tangent_pls,
-                            locals_ + tangent_locals, device)
+        joint = lower_joint(
+            runner, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
+        )
         part = partition(joint, runner.kept_gathered())
         self.stats = bucket_collectives(part, runner.units, enabled=runner.bucket)
         self.partition = part
@@ -59,10 +68,10 @@ class _PlanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp: LoweredPlan, *locals_):
         res = lp.fwd(*locals_)
-        ctx.lp, ctx.saved = lp, res[lp.n_out:]
+        ctx.lp, ctx.saved = lp, res[lp.n_out :]
         # outputs that are also saved would make autograd see a tensor it returns as an input
         # of its own backward; hand out views instead
-        return tuple(o.view_as(o) for o in res[:lp.n_out])
+        return tuple(o.view_as(o) for o in res[: lp.n_out])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -72,7 +81,9 @@ class _PlanFunction(torch.autograd.Function):
             g = grads[i]
             if g is None:
                 shape, dtype = lp.out_like[i]
-                g = torch.zeros(shape, dtype=dtype, device=ctx.saved[0].device if ctx.saved else None)
+                g = torch.zeros(
+                    shape, dtype=dtype, device=ctx.saved[0].device if ctx.saved else None
+                )
             tangents.append(g.contiguous())
         args = [*ctx.saved, *tangents]
         ctx.saved = tangents = None
@@ -99,15 +110,18 @@ def run_lowered(runner, env: dict, device, compile_kwargs: dict | None) -> list[
     keys = list(env)
     values = [env[k] for k in keys]
     locals_ = [v.to_local() for v in values]
-    sig = (compile_kwargs is not None,
-           tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
+    sig = (compile_kwargs is not None, tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
     lp = runner._lowered.get(sig)
     if lp is None:
         lp = runner._lowered[sig] = LoweredPlan(
-            runner, keys, [v.placements for v in values], [x.detach() for x in locals_],
-            device, compile_kwargs)
+            runner,
+            keys,
+            [v.placements for v in values],
+            [x.detach() for x in locals_],
+            device,
+            compile_kwargs,
+        )
     if not torch.is_grad_enabled():
-        return list(lp.fwd(*locals_)[:lp.n_out])
+        return list(lp.fwd(*locals_)[: lp.n_out])
     # to_local keeps autograd: gradients of the local shards flow back into the DTensor params
     return list(_PlanFunction.apply(lp, *locals_))
-

@@ -57,12 +57,14 @@ class Partition:
 
 
 def _wrap(local: torch.Tensor, mesh, pl, val: torch.Tensor) -> DTensor:
-    return DTensor.from_local(local, mesh, pl, run_check=False, shape=val.shape,
-                              stride=val.stride())
+    return DTensor.from_local(
+        local, mesh, pl, run_check=False, shape=val.shape, stride=val.stride()
+    )
 
 
-def lower_joint(runner, keys: list[fx.Node], placements: list, locals_: list[torch.Tensor],
-                device) -> LocalJoint:
+def lower_joint(
+    runner, keys: list[fx.Node], placements: list, locals_: list[torch.Tensor], device
+) -> LocalJoint:
     """Trace `runner`'s joint graph over local tensors (one per `keys` node, in the given
     placements; tangents last) into a local joint graph."""
     tg, mesh = runner.tg, runner.mesh
@@ -76,17 +78,28 @@ def lower_joint(runner, keys: list[fx.Node], placements: list, locals_: list[tor
         env.update(consts)
         for node in nodes:
             runner._exec(node, env, device, param_casts=False)
-        outs = [runner._redistribute(env[n], runner.output_pls[i]).to_local()
-                for i, n in enumerate(tg.outputs)]
-        grads = [runner._redistribute(env[tg.grads[f]], runner.grad_pls[f]).to_local()
-                 for f in grad_fqns]
+        outs = [
+            runner._redistribute(env[n], runner.output_pls[i]).to_local()
+            for i, n in enumerate(tg.outputs)
+        ]
+        grads = [
+            runner._redistribute(env[tg.grads[f]], runner.grad_pls[f]).to_local() for f in grad_fqns
+        ]
         return outs + grads
 
     with torch.no_grad():
         gm = make_fx(joint, tracing_mode="fake")(*locals_)
     _check_constants(gm, {id(c._local_tensor) for c in consts.values()})
-    kinds = [PARAM if k in param_of else BUFFER if k in buffer_of else
-             TANGENT if k in tg.tangents else INPUT for k in keys]
+    kinds = [
+        PARAM
+        if k in param_of
+        else BUFFER
+        if k in buffer_of
+        else TANGENT
+        if k in tg.tangents
+        else INPUT
+        for k in keys
+    ]
     names = [param_of.get(k, buffer_of.get(k)) for k in keys]
     return LocalJoint(gm, kinds, names, len(tg.outputs), grad_fqns)
 
@@ -100,7 +113,8 @@ def _check_constants(gm: fx.GraphModule, allowed: set[int]) -> None:
         if isinstance(v, torch.Tensor) and id(v) not in allowed and v.numel() > 1:
             raise PlannerError(
                 f"lowering captured tensor constant '{n.target}' of shape {tuple(v.shape)}: a "
-                "value that must be a graph input was closed over (executor bug)")
+                "value that must be a graph input was closed over (executor bug)"
+            )
 
 
 def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
@@ -108,7 +122,9 @@ def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
     buffer placeholders) alone."""
     out: set[fx.Node] = set()
     for n in nodes:
-        if n.op == "call_function" and all(a in out or a in param_inputs for a in n.all_input_nodes):
+        if n.op == "call_function" and all(
+            a in out or a in param_inputs for a in n.all_input_nodes
+        ):
             out.add(n)
     return out
 
@@ -123,12 +139,13 @@ def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
     name = dict(zip(phs, joint.names))
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
-    fwd_outs, grad_outs = outs[:joint.n_outputs], outs[joint.n_outputs:]
+    fwd_outs, grad_outs = outs[: joint.n_outputs], outs[joint.n_outputs :]
 
     backward: set[fx.Node] = set()  # everything that depends on a tangent
     for n in graph.nodes:
-        if kind.get(n) == TANGENT or (n.op == "call_function" and any(
-                a in backward for a in n.all_input_nodes)):
+        if kind.get(n) == TANGENT or (
+            n.op == "call_function" and any(a in backward for a in n.all_input_nodes)
+        ):
             backward.add(n)
     params = {p for p in phs if kind[p] in (PARAM, BUFFER)}
     recompute: set[fx.Node] = set()
@@ -136,7 +153,9 @@ def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
         recompute = param_side(graph.nodes, {p for p in params if name[p] not in keep})
 
     # forward values the backward reads (gradients that need no tangent count as read)
-    needed = [a for n in graph.nodes if n in backward for a in n.all_input_nodes if a not in backward]
+    needed = [
+        a for n in graph.nodes if n in backward for a in n.all_input_nodes if a not in backward
+    ]
     needed += [g for g in grad_outs if isinstance(g, fx.Node) and g not in backward]
     saved: list[fx.Node] = []
     bwd_recompute: set[fx.Node] = set()
@@ -159,13 +178,19 @@ def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
     tangents = [p for p in phs if kind[p] == TANGENT]
     body = [n for n in graph.nodes if n in backward or n in bwd_recompute]
     bwd = _subgraph(joint.gm, saved + tangents, grad_outs, body)
-    return Partition(fwd, bwd, joint.n_outputs, joint.grad_names,
-                     fwd_names=[name[p] for p in phs if kind[p] != TANGENT],
-                     saved_names=[name.get(s) for s in saved])
+    return Partition(
+        fwd,
+        bwd,
+        joint.n_outputs,
+        joint.grad_names,
+        fwd_names=[name[p] for p in phs if kind[p] != TANGENT],
+        saved_names=[name.get(s) for s in saved],
+    )
 
 
-def _subgraph(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list,
-              body: list[fx.Node] | None = None) -> fx.GraphModule:
+def _subgraph(
+    gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, body: list[fx.Node] | None = None
+) -> fx.GraphModule:
     """A graph with `inputs` as placeholders computing `outputs`; `body` (default: every
     ancestor of the outputs) is copied in the original order."""
     if body is None:

@@ -51,8 +51,13 @@ def _base(src):
 
 
 def _is_view(node: fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target.is_view and bool(node.args) and isinstance(node.args[0], fx.Node))
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
 
 
 def _saved(tg: TracedGraph) -> list[tuple[fx.Node, int]]:
@@ -116,9 +121,12 @@ def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
     return owner
 
 
-def memory_terms(tg: TracedGraph, table: StrategyTable,
-                 optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
-                 regathered: frozenset[str] = frozenset()) -> list[MemoryTerm]:
+def memory_terms(
+    tg: TracedGraph,
+    table: StrategyTable,
+    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+    regathered: frozenset[str] = frozenset(),
+) -> list[MemoryTerm]:
     terms = []
     chain = param_chains(tg, table) if regathered else {}
     recomputed = lambda n: chain.get(n) in regathered  # noqa: E731
@@ -166,12 +174,20 @@ def term_fraction(term: MemoryTerm, table: StrategyTable, s: int) -> float:
     return P.shard_fraction(v.shape, pl, table.mesh_shape)
 
 
-def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
-                optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
-                regathered: frozenset[str] = frozenset()) -> dict[str, float]:
+def plan_memory(
+    tg: TracedGraph,
+    table: StrategyTable,
+    choice: dict,
+    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+    regathered: frozenset[str] = frozenset(),
+) -> dict[str, float]:
     """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index)."""
-    out = {"param_bytes_per_rank": 0.0, "grad_bytes_per_rank": 0.0, "optim_bytes_per_rank": 0.0,
-           "activation_bytes_per_rank": 0.0}
+    out = {
+        "param_bytes_per_rank": 0.0,
+        "grad_bytes_per_rank": 0.0,
+        "optim_bytes_per_rank": 0.0,
+        "activation_bytes_per_rank": 0.0,
+    }
     for t in memory_terms(tg, table, optim_bytes_per_elem, regathered):
         if t.kind == "copy":
             ns = table.nodes[t.node]
@@ -179,7 +195,8 @@ def plan_memory(tg: TracedGraph, table: StrategyTable, choice: dict,
             emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
             required = ns.strategies[choice[t.node]].ins[t.arg]
             out["activation_bytes_per_rank"] += (
-                t.full_bytes * copy_fraction(t, table, emitted, required) * tg.weight(t.node))
+                t.full_bytes * copy_fraction(t, table, emitted, required) * tg.weight(t.node)
+            )
             continue
         f = term_fraction(t, table, choice[t.node]) * tg.weight(t.node)
         if t.kind == "param":

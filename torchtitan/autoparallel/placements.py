@@ -64,7 +64,9 @@ def is_valid(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence
     return True
 
 
-def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def local_shape(
+    shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
     """Largest local shard shape (ceil division per sharded mesh dim)."""
     out = list(shape)
     for p, n in zip(pl, mesh_shape):
@@ -73,7 +75,9 @@ def local_shape(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Seque
     return tuple(out)
 
 
-def shard_fraction(shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]) -> float:
+def shard_fraction(
+    shape: Sequence[int], pl: Sequence[Placement], mesh_shape: Sequence[int]
+) -> float:
     """Local numel / global numel for the largest shard."""
     g = 1
     for s in shape:
@@ -90,7 +94,8 @@ def all_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Plac
     """Every valid {Replicate, Shard(d)} tuple for a tensor of `shape` (no Partial)."""
     opts: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     return [
-        tuple(c) for c in itertools.product(opts, repeat=len(mesh_shape))
+        tuple(c)
+        for c in itertools.product(opts, repeat=len(mesh_shape))
         if is_valid(shape, c, mesh_shape)
     ]
 

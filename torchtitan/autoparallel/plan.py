@@ -51,17 +51,25 @@ class Plan:
         except (TypeError, json.JSONDecodeError) as e:
             raise PlannerError(f"not a plan: {e}") from None
 
-    def check_applicable(self, param_shapes: dict[str, tuple[int, ...]],
-                         mesh_shape: list[int], mesh_dim_names: list[str]) -> None:
+    def check_applicable(
+        self,
+        param_shapes: dict[str, tuple[int, ...]],
+        mesh_shape: list[int],
+        mesh_dim_names: list[str],
+    ) -> None:
         """Raise `PlannerError` unless this plan fits these parameters and this mesh: same
         mesh, every parameter placed, every placement readable and leaving no shard
         empty (what a plan read from a file must pass before it is applied)."""
         from .errors import ConstraintError
         from .placements import is_valid, parse
 
-        if list(self.mesh_shape) != list(mesh_shape) or list(self.mesh_dim_names) != list(mesh_dim_names):
-            raise PlannerError(f"made for mesh {self.mesh_shape} {self.mesh_dim_names}, "
-                               f"not {list(mesh_shape)} {list(mesh_dim_names)}")
+        if list(self.mesh_shape) != list(mesh_shape) or list(self.mesh_dim_names) != list(
+            mesh_dim_names
+        ):
+            raise PlannerError(
+                f"made for mesh {self.mesh_shape} {self.mesh_dim_names}, "
+                f"not {list(mesh_shape)} {list(mesh_dim_names)}"
+            )
         missing = sorted(set(param_shapes) - set(self.params))
         if missing or not self.nodes:
             raise PlannerError(f"places no {missing[0] if missing else 'graph node'}")
@@ -71,8 +79,9 @@ class Plan:
                     raise PlannerError(f"places unknown parameter {fqn}")
                 pl = parse(text)
                 if len(pl) != len(mesh_shape) or not is_valid(param_shapes[fqn], pl, mesh_shape):
-                    raise PlannerError(f"impossible placement {text!r} for {fqn} "
-                                       f"{list(param_shapes[fqn])}")
+                    raise PlannerError(
+                        f"impossible placement {text!r} for {fqn} {list(param_shapes[fqn])}"
+                    )
             for name, entry in self.nodes.items():
                 for text in [*entry.get("ins", []), *entry.get("out", [])]:
                     if text and text != "-":  # "-": not a tensor
@@ -90,13 +99,20 @@ class Plan:
     # ---------------- display ----------------
     def table(self) -> str:
         names = self.mesh_dim_names
-        head = ["parameter", "shape"] + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)] + ["comm ms"]
+        head = (
+            ["parameter", "shape"]
+            + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)]
+            + ["comm ms"]
+        )
         rows = [head]
         for fqn, pl in self.params.items():
             parts = pl.split(",")
             comm = self.param_comm_us.get(fqn)
-            rows.append([fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))] + parts
-                        + ["-" if comm is None else f"{comm / 1e3:.3f}"])
+            rows.append(
+                [fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))]
+                + parts
+                + ["-" if comm is None else f"{comm / 1e3:.3f}"]
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -106,12 +122,16 @@ class Plan:
         lines.append(
             f"predicted step: compute {p.get('compute_us', 0) / 1e3:.3f} ms, "
             f"communication {p.get('comm_us', 0) / 1e3:.3f} ms "
-            f"(forward {p.get('fwd_comm_us', 0) / 1e3:.3f} ms, backward {p.get('bwd_comm_us', 0) / 1e3:.3f} ms); "
-            f"parameter memory per rank {p.get('param_fraction', 1.0):.4f} of full")
+            f"(forward {p.get('fwd_comm_us', 0) / 1e3:.3f} ms, "
+            f"backward {p.get('bwd_comm_us', 0) / 1e3:.3f} ms); "
+            f"parameter memory per rank {p.get('param_fraction', 1.0):.4f} of full"
+        )
         if self.solver:
             s = self.solver
-            lines.append(f"solver: {s.get('status')} optimal={s.get('optimal')} "
-                         f"vars={s.get('num_vars')} rows={s.get('num_rows')}")
+            lines.append(
+                f"solver: {s.get('status')} optimal={s.get('optimal')} "
+                f"vars={s.get('num_vars')} rows={s.get('num_rows')}"
+            )
         if self.timings:
             lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)

@@ -14,14 +14,14 @@ Every node traced inside a block is labelled `"<container>#<position>"` (a forwa
 `torch.fx.traceback.annotate`; AOTAutograd copies the label to the backward nodes derived
 from it).  A node made outside every block from one block's tensors only (a
 mixed-precision cast of a block's parameter) takes that block's label; any other node takes
-the label of the node before it in graph order: glue the parent runs between blocks (a residual add around each block),
-gradient accumulations, the head and loss after the last block.  Both graphs are labelled by
-the same rule, so the glue after block i weighs what block i weighs, and the head and loss
-belong to the last block (weight 1).  To run the plan, `expand_plan` maps the full model's graph onto it: the k-th node of
-full block i reads the k-th node of the block that represents i, unlabelled nodes map in
-order, and every pair must be the same op with the same output shapes — a model whose
-blocks differ at run time (e.g. a forward that branches on the layer index) is reported,
-not silently mis-planned.
+the label of the node before it in graph order: glue the parent runs between blocks (a
+residual add around each block), gradient accumulations, the head and loss after the last
+block.  Both graphs are labelled by the same rule, so the glue after block i weighs what block
+i weighs, and the head and loss belong to the last block (weight 1).  To run the plan,
+`expand_plan` maps the full model's graph onto it: the k-th node of full block i reads the k-th
+node of the block that represents i, unlabelled nodes map in order, and every pair must be the
+same op with the same output shapes — a model whose blocks differ at run time (e.g. a forward
+that branches on the layer index) is reported, not silently mis-planned.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -84,7 +83,8 @@ def _structure(mod: nn.Module) -> tuple:
 
 
 def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
-    """Outermost containers (never the root) holding >= MIN_BLOCKS structurally identical children."""
+    """Outermost containers (never the root) holding >= MIN_BLOCKS structurally identical
+    children."""
     found: list[RepeatedBlocks] = []
     for name, mod in model.named_modules():
         if not name or any(name.startswith(b.prefix()) for b in found):
@@ -96,8 +96,11 @@ def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
             continue
         first = _structure(children[0][1])
         if all(_structure(c) == first for _n, c in children[1:]):
-            found.append(RepeatedBlocks(name, tuple(n for n, _c in children),
-                                        not isinstance(mod, nn.ModuleDict)))
+            found.append(
+                RepeatedBlocks(
+                    name, tuple(n for n, _c in children), not isinstance(mod, nn.ModuleDict)
+                )
+            )
     return found
 
 
@@ -122,9 +125,11 @@ def shallow_copy(model: nn.Module, blocks: list[RepeatedBlocks]) -> nn.Module:
 def block_labels(model: nn.Module, containers: list[str]) -> list[tuple[nn.Module, dict]]:
     """The annotation for everything traced inside child j of each container:
     `{LABEL_KEY: "<container>#j"}` (trace.py applies them with forward hooks)."""
-    return [(child, {LABEL_KEY: f"{cname}#{j}"})
-            for cname in containers
-            for j, (_n, child) in enumerate(model.get_submodule(cname).named_children())]
+    return [
+        (child, {LABEL_KEY: f"{cname}#{j}"})
+        for cname in containers
+        for j, (_n, child) in enumerate(model.get_submodule(cname).named_children())
+    ]
 
 
 def is_placed(node: fx.Node) -> bool:
@@ -135,8 +140,12 @@ def is_placed(node: fx.Node) -> bool:
     return node.op == "call_function" and not is_getitem(node) and _out_metas(node) is not None
 
 
-def read_labels(gm: fx.GraphModule, param_fqns: dict[fx.Node, str],
-                containers: list[str], keys: dict[str, list[str]]) -> dict[fx.Node, str]:
+def read_labels(
+    gm: fx.GraphModule,
+    param_fqns: dict[fx.Node, str],
+    containers: list[str],
+    keys: dict[str, list[str]],
+) -> dict[fx.Node, str]:
     """Block label of every node traced inside a block (see module docstring).
 
     `param_fqns` labels parameter/buffer placeholders by name; `keys[c]` lists the child
@@ -180,14 +189,18 @@ def reduced_fqn(fqn: str, blocks: list[RepeatedBlocks]) -> str:
     """Name in the shallow copy of the parameter/buffer `fqn` of the full model."""
     for b in blocks:
         if fqn.startswith(b.prefix()):
-            key, _, rest = fqn[len(b.prefix()):].partition(".")
+            key, _, rest = fqn[len(b.prefix()) :].partition(".")
             j = b.representative(b.keys.index(key))
             return f"{b.prefix()}{b.reduced_key(j)}.{rest}"
     return fqn
 
 
-def expand_nodes(plan_nodes: dict[str, dict], full_gm: fx.GraphModule,
-                 full_labels: dict[fx.Node, str], blocks: list[RepeatedBlocks]) -> dict[str, dict]:
+def expand_nodes(
+    plan_nodes: dict[str, dict],
+    full_gm: fx.GraphModule,
+    full_labels: dict[fx.Node, str],
+    blocks: list[RepeatedBlocks],
+) -> dict[str, dict]:
     """Per-node plan entries for the full graph, read off the shallow plan (module docstring)."""
     by_name = {b.container: b for b in blocks}
     classes: dict[str | None, list[str]] = defaultdict(list)
@@ -215,7 +228,8 @@ def expand_nodes(plan_nodes: dict[str, dict], full_gm: fx.GraphModule,
             raise PlannerError(
                 f"the model's repeated blocks do not trace identically: node {k} {where} is "
                 f"{n.target} ('{n.name}') in the full model but {theirs} in the planned copy; "
-                "plan with share_repeated=False")
+                "plan with share_repeated=False"
+            )
         entry = dict(plan_nodes[names[k]])
         entry.pop("block", None)
         out[n.name] = entry
@@ -224,5 +238,7 @@ def expand_nodes(plan_nodes: dict[str, dict], full_gm: fx.GraphModule,
             raise PlannerError(
                 f"the model's repeated blocks do not trace identically: {k} nodes in "
                 f"{lab or 'the rest of the graph'} of the full model, "
-                f"{len(classes.get(rep_label(lab), []))} in the planned copy; plan with share_repeated=False")
+                f"{len(classes.get(rep_label(lab), []))} in the planned copy; "
+                "plan with share_repeated=False"
+            )
     return out

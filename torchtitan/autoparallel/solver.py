@@ -22,8 +22,8 @@ minimal conflicting set and report their names.
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,7 +70,8 @@ class Solution:
     gap: float | None  # proven relative gap to the best bound
     num_vars: int
     num_rows: int
-    # us per (consumer node, arg k), (producer node, "hub", output idx), ("grad", fqn), ("output", i)
+    # us per (consumer node, arg k), (producer node, "hub", output idx), ("grad", fqn),
+    # ("output", i)
     edge_comm: dict = field(default_factory=dict)
     overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
     exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
@@ -149,7 +150,9 @@ class _Model:
         """
         t_end = time.perf_counter() + float(time_limit)
         h = highspy.Highs()
-        h.setOptionValue("output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG")))
+        h.setOptionValue(
+            "output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG"))
+        )
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", float(time_limit))
         h.setOptionValue("presolve", "off")
@@ -164,9 +167,12 @@ class _Model:
         ints = np.array([c for g in self.groups for c in g], dtype=np.int32)
 
         def as_mip() -> None:  # from the relaxation to the 0/1 program
-            h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+            h.changeColsIntegrality(
+                len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger)
+            )
             h.setOptionValue("presolve", "choose")
             h.setOptionValue("mip_rel_gap", rel_gap)
+
         start = None
         if status == Status.kOptimal:
             bound = h.getInfo().objective_function_value
@@ -180,7 +186,7 @@ class _Model:
                 if x[g[k]] > 1.0 - 1e-6:
                     decided += 1
                     if gi not in self.free_groups:
-                        fix_hi[pos:pos + len(g)] = 0.0
+                        fix_hi[pos : pos + len(g)] = 0.0
                         fix_lo[pos + k] = fix_hi[pos + k] = 1.0
                 pos += len(g)
             if decided == len(self.groups):  # the relaxation is integral: optimal as it is
@@ -188,9 +194,14 @@ class _Model:
             h.changeColsBounds(len(ints), ints, fix_lo, fix_hi)
             as_mip()
             h.run()
-            log.info("LP bound %.3f; %d of %d one-hot groups integral; the rest: %s, objective %s",
-                     bound, decided, len(self.groups), h.getModelStatus(),
-                     h.getInfo().objective_function_value)
+            log.info(
+                "LP bound %.3f; %d of %d one-hot groups integral; the rest: %s, objective %s",
+                bound,
+                decided,
+                len(self.groups),
+                h.getModelStatus(),
+                h.getInfo().objective_function_value,
+            )
             if h.getModelStatus() == Status.kOptimal:
                 obj = h.getInfo().objective_function_value
                 start = list(h.getSolution().col_value)
@@ -209,8 +220,13 @@ class _Model:
         status = h.getModelStatus()
         info = h.getInfo()
         has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        return (status, (list(h.getSolution().col_value) if has_sol else None),
-                info.objective_function_value, "branch and bound", info.mip_gap if has_sol else None)
+        return (
+            status,
+            (list(h.getSolution().col_value) if has_sol else None),
+            info.objective_function_value,
+            "branch and bound",
+            info.mip_gap if has_sol else None,
+        )
 
 
 class PlacementSolver:
@@ -240,8 +256,11 @@ class PlacementSolver:
                 if g is None:
                     continue
                 node = _resolve(g)[0]
-                while node in self.table.nodes and len(self.table.nodes[node].sources) == 1 \
-                        and node not in self._grad_side:
+                while (
+                    node in self.table.nodes
+                    and len(self.table.nodes[node].sources) == 1
+                    and node not in self._grad_side
+                ):
                     self._grad_side.add(node)
                     node = self.table.nodes[node].sources[0][0]
             self._param_side = side
@@ -260,12 +279,21 @@ class PlacementSolver:
                 in_vals = [_source_val(src) for src in ns.sources]
                 v = node.meta["val"]
                 out_vals = list(v) if isinstance(v, (list, tuple)) else [v]
-                c = self.est.compute_us(node.target, in_vals, list(st.ins), out_vals, list(st.out), node.args)
+                c = self.est.compute_us(
+                    node.target, in_vals, list(st.ins), out_vals, list(st.out), node.args
+                )
             self._compute[key] = c
         return c
 
-    def _pairs(self, emitted: tuple, required: tuple, shape: tuple, elem_size: int,
-               frozen: bool, sink: bool = False) -> list:
+    def _pairs(
+        self,
+        emitted: tuple,
+        required: tuple,
+        shape: tuple,
+        elem_size: int,
+        frozen: bool,
+        sink: bool = False,
+    ) -> list:
         """(emitted, required, cost) of the redistributions an edge may use; memoised, as
         repeated layers ask the same question many times.  Edges into a sink (a gradient
         leaving in its parameter's placement, an output in its pinned one) may take any
@@ -275,9 +303,13 @@ class PlacementSolver:
         hit = self._pair_memo.get(key)
         if hit is None:
             hit = self._pair_memo[key] = [
-                (o, r, c) for o in emitted for r in required
-                if (o == r or not frozen) and (sink or _direct(o, r))
-                and (c := self.est.comm_us(o, r, shape, elem_size)) != INF]
+                (o, r, c)
+                for o in emitted
+                for r in required
+                if (o == r or not frozen)
+                and (sink or _direct(o, r))
+                and (c := self.est.comm_us(o, r, shape, elem_size)) != INF
+            ]
         return hit
 
     def param_bytes(self, node: fx.Node) -> int:
@@ -285,8 +317,9 @@ class PlacementSolver:
         return v.numel() * v.element_size()
 
     # ------------------------------------------------------------------
-    def solve(self, constraints: list[UserConstraint], time_limit: float = 120.0,
-              verbose: bool = False) -> Solution:
+    def solve(
+        self, constraints: list[UserConstraint], time_limit: float = 120.0, verbose: bool = False
+    ) -> Solution:
         sol = self._solve_once(constraints, time_limit, verbose)
         if sol is not None:
             return sol
@@ -314,6 +347,7 @@ class PlacementSolver:
             if key[0] == "grad":
                 return weight(tg.params[key[1]])
             return 1 if key[0] == "output" else weight(key[0])
+
         m = _Model()
         pside = self.param_side_nodes()
         gside = self._grad_side
@@ -343,8 +377,12 @@ class PlacementSolver:
                     g[pl].append(xvars[src[0]][s])
             return g
 
-        def link(src, cons_groups: dict[P.Placements, list[int]], members: list,
-                 prod: dict[P.Placements, list[int]] | None = None) -> None:
+        def link(
+            src,
+            cons_groups: dict[P.Placements, list[int]],
+            members: list,
+            prod: dict[P.Placements, list[int]] | None = None,
+        ) -> None:
             """Tight edge constraints between a producer (or its hub) and a consumer's
             requirement groups."""
             val = _source_val(src)
@@ -352,16 +390,24 @@ class PlacementSolver:
             pair_vars: list = []
             for key in members:
                 edge_pair_vars[key] = pair_vars
-            rows_o: dict[P.Placements, list] = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
-            rows_r: dict[P.Placements, list] = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+            rows_o: dict[P.Placements, list] = {
+                o: [(v, -1.0) for v in xs] for o, xs in prod.items()
+            }
+            rows_r: dict[P.Placements, list] = {
+                r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()
+            }
             frozen = any(k in self.no_comm_edges for k in members)
             count = sum(member_weight(k) for k in members)
             key0 = members[0]
-            overlappable = eta > 0 and (src[0] in pside or key0[0] == "grad"
-                                        or (isinstance(key0[0], fx.Node) and key0[0] in gside))
+            overlappable = eta > 0 and (
+                src[0] in pside
+                or key0[0] == "grad"
+                or (isinstance(key0[0], fx.Node) and key0[0] in gside)
+            )
             sink = key0[0] in ("grad", "output")
-            for o, r, c in self._pairs(tuple(prod), tuple(cons_groups), tuple(val.shape),
-                                       val.element_size(), frozen, sink):
+            for o, r, c in self._pairs(
+                tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
+            ):
                 tie = TIE_BREAK_US if o != r else 0.0
                 if overlappable:
                     y = m.var((c * (1.0 - eta) + tie) * count)
@@ -396,11 +442,18 @@ class PlacementSolver:
             represented[rep[node]].append(node)
         hub_vars: dict[tuple, dict[P.Placements, int]] = {}
         for src, keys in fanout.items():
-            if len(keys) > 1 and src[0].op == "call_function" and src[0] not in pside and not any(
-                    e in self.no_comm_edges for k in keys for e in edges[k]):
+            if (
+                len(keys) > 1
+                and src[0].op == "call_function"
+                and src[0] not in pside
+                and not any(e in self.no_comm_edges for k in keys for e in edges[k])
+            ):
                 hub_vars[src] = w = self._hub(m, producer_groups(src), [required[k] for k in keys])
-                link(src, {pl: [v] for pl, v in w.items()},
-                     [(n, "hub", src[1]) for n in represented[src[0]]])
+                link(
+                    src,
+                    {pl: [v] for pl, v in w.items()},
+                    [(n, "hub", src[1]) for n in represented[src[0]]],
+                )
         for key, groups in required.items():
             src = key[:2]
             hub = hub_vars.get(src)
@@ -443,30 +496,41 @@ class PlacementSolver:
                 if c.sink is not None:
                     w = sink_vars[c.sink]
                     if c.placement not in w:
-                        raise ConstraintError(f"{c.name}: placement not valid for the output's shape")
+                        raise ConstraintError(
+                            f"{c.name}: placement not valid for the output's shape"
+                        )
                     m.lb[w[c.placement]] = 1.0
                 else:
                     ns = table.nodes[c.node]
                     idx = [s for s, st in enumerate(ns.strategies) if st.out[0] == c.placement]
                     if not idx:
-                        raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
+                        raise ConstraintError(
+                            f"{c.name}: placement not valid for the tensor's shape"
+                        )
                     m.lb[xvars[c.node][idx[0]]] = 1.0
             elif c.kind == "mem":
                 # in units of all parameter bytes, so the row is well scaled for the solver
-                total = float(sum(self.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
+                total = (
+                    float(sum(self.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
+                )
                 terms, lo_bound, hi_bound = [], 0.0, 0.0
                 for fqn, pnode in tg.params.items():
                     ns = table.nodes[pnode]
                     b = self.param_bytes(pnode) * weight(pnode) / total
-                    fr = [P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
-                          for st in ns.strategies]
+                    fr = [
+                        P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
+                        for st in ns.strategies
+                    ]
                     for s, f in enumerate(fr):
                         terms.append((xvars[pnode][s], b * f))
                     fmin = min(fr)
                     hi_bound += b * max(fmin, c.high if c.high is not None else 1.0)
                     lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
-                m.row(terms, lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
-                      hi_bound * (1 + 1e-9))
+                m.row(
+                    terms,
+                    lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
+                    hi_bound * (1 + 1e-9),
+                )
             elif c.kind == "bytes":
                 # per-rank bytes (params, grads, optimizer state, saved activations), scaled
                 # by the budget so the row's coefficients are O(1)
@@ -475,31 +539,50 @@ class PlacementSolver:
                     if t.kind == "copy":  # on the edge: held only if it redistributes
                         # (through a hub: counted on both steps, an upper bound)
                         src = table.nodes[t.node].sources[t.arg]
-                        for y, o, r in edge_pair_vars.get((t.node, t.arg), []) + \
-                                edge_pair_vars.get((src[0], "hub", src[1]), []):
+                        for y, o, r in edge_pair_vars.get((t.node, t.arg), []) + edge_pair_vars.get(
+                            (src[0], "hub", src[1]), []
+                        ):
                             f = copy_fraction(t, table, o, r)
                             if f:
                                 terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
                         continue
                     xs = xvars[t.node]
                     for s in range(len(xs)):
-                        terms.append((xs[s], t.full_bytes * weight(t.node) * term_fraction(t, table, s)
-                                      / c.high))
+                        terms.append(
+                            (
+                                xs[s],
+                                t.full_bytes * weight(t.node) * term_fraction(t, table, s) / c.high,
+                            )
+                        )
                 m.row(terms, -highspy.kHighsInf, 1.0)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         status, values, obj, how, gap = m.solve(time_limit, verbose)
         solve_s = time.perf_counter() - t1
-        log.info("ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",
-                 len(m.cost), len(m.row_lo), build_s, solve_s, status, how, gap)
+        log.info(
+            "ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",
+            len(m.cost),
+            len(m.row_lo),
+            build_s,
+            solve_s,
+            status,
+            how,
+            gap,
+        )
         if status == highspy.HighsModelStatus.kInfeasible or values is None:
             if status not in (highspy.HighsModelStatus.kInfeasible,):
                 if status == highspy.HighsModelStatus.kTimeLimit:
-                    raise PlannerError(f"solver hit the {time_limit}s time limit without a feasible plan")
+                    raise PlannerError(
+                        f"solver hit the {time_limit}s time limit without a feasible plan"
+                    )
             return None
         optimal = status == highspy.HighsModelStatus.kOptimal
         if not optimal:
-            log.warning("solver stopped with status %s; the plan is feasible, proven within %s of optimal", status, "-" if gap is None else f"{gap:.2%}")
+            log.warning(
+                "solver stopped with status %s; the plan is feasible, proven within %s of optimal",
+                status,
+                "-" if gap is None else f"{gap:.2%}",
+            )
         choice = {}
         compute = 0.0
         for node, xs in xvars.items():
@@ -519,12 +602,30 @@ class PlacementSolver:
                     ov_comm += c * count
         exposed = (comm - ov_comm) + (1.0 - eta) * ov_comm
         sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
-        hubs = {(n, src[1]): max(w, key=lambda pl: values[w[pl]])
-                for src, w in hub_vars.items() for n in represented[src[0]]}
+        hubs = {
+            (n, src[1]): max(w, key=lambda pl: values[w[pl]])
+            for src, w in hub_vars.items()
+            for n in represented[src[0]]
+        }
         grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
         self.last_build_s, self.last_solve_s = build_s, solve_s
-        return Solution(choice, sinks, grads, compute, comm, obj, f"{status} via {how}", optimal, gap,
-                        len(m.cost), len(m.row_lo), dict(edge_comm), ov_comm, exposed, hubs)
+        return Solution(
+            choice,
+            sinks,
+            grads,
+            compute,
+            comm,
+            obj,
+            f"{status} via {how}",
+            optimal,
+            gap,
+            len(m.cost),
+            len(m.row_lo),
+            dict(edge_comm),
+            ov_comm,
+            exposed,
+            hubs,
+        )
 
     @staticmethod
     def _hub(m: _Model, emitted: dict, required: list[dict]) -> dict[P.Placements, int]:
@@ -534,8 +635,9 @@ class PlacementSolver:
         only for their own step on from it (nothing when they need the hub's placement).  The
         price, producer -> hub once plus hub -> each consumer, bounds what the runner does (it
         redistributes through the hub the same way, and reads the producer's value directly
-        where a consumer wants the producer's own placement), and is exact when the consumers want at most one placement besides the producer's — the
-        Megatron pattern: one all-gather of the normalised activations feeds wq, wk and wv."""
+        where a consumer wants the producer's own placement), and is exact when the consumers
+        want at most one placement besides the producer's — the Megatron pattern: one
+        all-gather of the normalised activations feeds wq, wk and wv."""
         placements = dict.fromkeys(emitted)
         for groups in required:
             placements.update(dict.fromkeys(groups))
@@ -594,7 +696,8 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
         if e is None:
             keep.append(ns_src.strategies)
             e = emitted_memo[key] = frozenset(
-                pl for pl in ns_src.out_placements(src[1]) if pl is not None)
+                pl for pl in ns_src.out_placements(src[1]) if pl is not None
+            )
         return e
 
     def ok(e, r, frozen):
@@ -604,7 +707,8 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
         hit = ok_memo.get(key)
         if hit is None:
             hit = ok_memo[key] = any(
-                o == r or (not frozen and _direct(o, r) and _finite(o, r)) for o in e)
+                o == r or (not frozen and _direct(o, r) and _finite(o, r)) for o in e
+            )
         return hit
 
     for node, ns in table.nodes.items():
@@ -616,8 +720,11 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
         live = live_memo.get(key)
         if live is None:
             keep.append(ns.strategies)
-            live = [st for st in ns.strategies
-                    if all(ok(emitted[k], r, frozen[k]) for k, r in enumerate(st.ins))]
+            live = [
+                st
+                for st in ns.strategies
+                if all(ok(emitted[k], r, frozen[k]) for k, r in enumerate(st.ins))
+            ]
             if len(live) == len(ns.strategies):
                 live = ns.strategies
             live_memo[key] = live
@@ -629,12 +736,14 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _finite(o: P.Placements, r: P.Placements) -> bool:
-    """Whether the cost model allows o -> r at all (shape-independent: only Partial targets fail)."""
+    """Whether the cost model allows o -> r at all (shape-independent: only Partial targets
+    fail)."""
     return all(a == b or not b.is_partial() for a, b in zip(o, r))
 
 
 def _resolve(node: fx.Node):
     from .strategies import resolve_source
+
     return resolve_source(node)
 
 

@@ -163,8 +163,11 @@ class StrategyBuilder:
                     continue
                 opts = P.all_placements(val.shape, self.mesh_shape)
                 self.table.nodes[node] = NodeStrategies(
-                    node, [], [Strategy((pl,), ()) for pl in opts], roles.get(node, "input"))
-            elif node.op == "get_attr" and isinstance(getattr(tg.gm, node.target, None), torch.Tensor):
+                    node, [], [Strategy((pl,), ()) for pl in opts], roles.get(node, "input")
+                )
+            elif node.op == "get_attr" and isinstance(
+                getattr(tg.gm, node.target, None), torch.Tensor
+            ):
                 # a constant the forward made from Python values: the same on every rank
                 rep = tuple(Replicate() for _ in self.mesh_shape)
                 self.table.nodes[node] = NodeStrategies(node, [], [Strategy((rep,), ())])
@@ -198,7 +201,8 @@ class StrategyBuilder:
             self.table.memo_hits += 1
         if not strategies:
             raise UnsupportedOpError(
-                f"no valid sharding strategy for op {op} at node '{node.name}'")
+                f"no valid sharding strategy for op {op} at node '{node.name}'"
+            )
         return NodeStrategies(node, sources, strategies)
 
     def _memo_key(self, node, inputs, cand_lists):
@@ -213,9 +217,14 @@ class StrategyBuilder:
             if isinstance(a, dict):
                 return tuple(sorted((k, norm(v)) for k, v in a.items()))
             return a
+
         try:
-            key = (node.target, norm(node.args), norm(node.kwargs),
-                   tuple(tuple(c) for c in cand_lists))
+            key = (
+                node.target,
+                norm(node.args),
+                norm(node.kwargs),
+                tuple(tuple(c) for c in cand_lists),
+            )
             hash(key)
             return key
         except TypeError:
@@ -234,12 +243,14 @@ class StrategyBuilder:
                     return TupleStrategy(items)
                 return type(a)(items)
             return a
+
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
         # single-dim rules keep their schema info (e.g. needs_pytree: `index.Tensor`'s list of
         # optional index tensors) in a table of their own
-        info = (self.prop.op_to_schema_info.get(node.target)
-                or self.prop.op_to_schema_info_for_single_dim_strategy.get(node.target))
+        info = self.prop.op_to_schema_info.get(
+            node.target
+        ) or self.prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
         return OpSchema(node.target, args, kwargs, schema_info=info)
 
     def _query(self, node, inputs, cand_lists, n_out) -> list[Strategy]:
@@ -256,7 +267,8 @@ class StrategyBuilder:
         else:
             raise UnsupportedOpError(
                 f"no sharding rule for op {op} at node '{node.name}' "
-                f"(DTensor has none; add a rule in torchtitan/autoparallel/strategies.py)")
+                f"(DTensor has none; add a rule in torchtitan/autoparallel/strategies.py)"
+            )
         return self._to_strategies(node, specs, inputs, n_out)
 
     def _single_dim(self, op, info, schema: OpSchema, out_meta) -> list[OpSpec]:
@@ -264,12 +276,19 @@ class StrategyBuilder:
         uneven = info.allow_uneven_sharding if isinstance(info, _SingleDimStrategyInfo) else False
         rules = func(op, schema.args_meta, schema.kwargs_meta)
         n_in = _get_num_tensor_inputs(schema)
-        n_out = len(rules[0]) - n_in if rules else (len(out_meta) if isinstance(out_meta, tuple) else 1)
+        n_out = (
+            len(rules[0]) - n_in if rules else (len(out_meta) if isinstance(out_meta, tuple) else 1)
+        )
         rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
         rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
         strat = expand_to_full_mesh_op_strategy(
-            self.mesh, schema, rules, output_tensor_meta=out_meta, input_index=n_out,
-            allow_uneven_sharding=uneven)
+            self.mesh,
+            schema,
+            rules,
+            output_tensor_meta=out_meta,
+            input_index=n_out,
+            allow_uneven_sharding=uneven,
+        )
         return list(strat.strategies)
 
     def _classic(self, node, func, inputs, cand_lists) -> list[OpSpec]:
@@ -302,15 +321,18 @@ class StrategyBuilder:
             msg = str(first_err).splitlines()[0] if first_err and str(first_err) else ""
             raise UnsupportedOpError(
                 f"DTensor rule for op {node.target} failed at node '{node.name}': "
-                f"{type(first_err).__name__}: {msg}")
+                f"{type(first_err).__name__}: {msg}"
+            )
         return specs
 
     @staticmethod
     def _plain(pl) -> bool:
         # only Shard/Replicate/Partial(sum|avg); _StridedShard (a flattened view of a sharded dim)
         # and max/min partials (from amax-style reductions) are dropped to keep the program small
-        return all(type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
-                   for p in pl)
+        return all(
+            type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+            for p in pl
+        )
 
     def _to_strategies(self, node, specs: list[OpSpec], inputs, n_out) -> list[Strategy]:
         in_vals = [n.meta["val"] for n in inputs]
@@ -340,19 +362,27 @@ class StrategyBuilder:
             else:
                 if len(spec.input_specs) != len(inputs):
                     continue
-                in_pls = [P.normalize(s.placements, v.ndim) if s is not None else None
-                          for s, v in zip(spec.input_specs, in_vals)]
-            if any(pl is not None and (not self._plain(pl) or not P.is_valid(v.shape, pl, self.mesh_shape))
-                   for pl, v in zip(in_pls, in_vals)):
+                in_pls = [
+                    P.normalize(s.placements, v.ndim) if s is not None else None
+                    for s, v in zip(spec.input_specs, in_vals)
+                ]
+            if any(
+                pl is not None
+                and (not self._plain(pl) or not P.is_valid(v.shape, pl, self.mesh_shape))
+                for pl, v in zip(in_pls, in_vals)
+            ):
                 continue
             seen.setdefault(Strategy(tuple(out_pls), tuple(in_pls)), None)
         # computing on full tensors everywhere is always correct; make sure it is an option
         rep = tuple(Replicate() for _ in self.mesh_shape)
         all_rep = Strategy(
             tuple(rep if isinstance(v, torch.Tensor) else None for v in out_vals),
-            tuple(rep for _ in inputs))
-        if not any(all(p is None or p == rep for p in st.out) and all(p == rep for p in st.ins)
-                   for st in seen):
+            tuple(rep for _ in inputs),
+        )
+        if not any(
+            all(p is None or p == rep for p in st.out) and all(p == rep for p in st.ins)
+            for st in seen
+        ):
             seen.setdefault(all_rep, None)
         return list(seen)
 
@@ -369,8 +399,19 @@ def _no_dtensor_costs():
     import importlib
 
     mods = []
-    for name in ("utils", "_view_ops", "_math_ops", "_matrix_ops", "_tensor_ops", "single_dim_strategy",
-                 "_pointwise_ops", "_embedding_ops", "_conv_ops", "_random_ops", "_einsum_strategy"):
+    for name in (
+        "utils",
+        "_view_ops",
+        "_math_ops",
+        "_matrix_ops",
+        "_tensor_ops",
+        "single_dim_strategy",
+        "_pointwise_ops",
+        "_embedding_ops",
+        "_conv_ops",
+        "_random_ops",
+        "_einsum_strategy",
+    ):
         try:
             mod = importlib.import_module(f"torch.distributed.tensor._ops.{name}")
         except ImportError:

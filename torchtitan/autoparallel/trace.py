@@ -23,12 +23,12 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.fx import traceback as fx_traceback
 import torch.nn as nn
 from torch._functorch._aot_autograd import fx_utils
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch.compiler import _compile_session_context
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.compiler import _compile_session_context
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
@@ -120,12 +120,15 @@ class _CastParams(nn.Module):
     def forward(self, *args, **kwargs):
         # like FSDP2's cast_forward_inputs: floating inputs run in the compute dtype too
         args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs))
+            torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t, (args, kwargs)
+        )
         params = {
             n: (p.to(self.dtype) if p.is_floating_point() else p)
             for n, p in self.inner.named_parameters(remove_duplicate=False)
         }
-        return torch.func.functional_call(self.inner, params, args, kwargs, tie_weights=True, strict=False)
+        return torch.func.functional_call(
+            self.inner, params, args, kwargs, tie_weights=True, strict=False
+        )
 
 
 def trace_joint(
@@ -149,7 +152,8 @@ def trace_joint(
     _fakeify(fake_model, fake_mode)
     containers = [b.container for b in blocks]
     notes = repeat.block_labels(fake_model, containers) + [
-        (mod, {MODULE_KEY: fqn or type(model).__name__}) for fqn, mod in fake_model.named_modules()]
+        (mod, {MODULE_KEY: fqn or type(model).__name__}) for fqn, mod in fake_model.named_modules()
+    ]
     with fake_mode:
         inputs = input_fn()
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -180,7 +184,7 @@ def trace_joint(
     graph = gm.graph
 
     def strip(fqn: str) -> str:
-        return fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
+        return fqn[len(prefix) :] if prefix and fqn.startswith(prefix) else fqn
 
     _check_outputs(graph)
     _reject_random_ops(graph)
@@ -189,29 +193,46 @@ def trace_joint(
     grads: dict[str, fx.Node | None] = {}
     for desc, (_p, g) in fx_utils.get_param_and_grad_nodes(graph).items():
         grads[strip(desc.target)] = g
-    inputs_nodes = [n for _d, (n, _g) in sorted(
-        fx_utils.get_plain_input_and_grad_nodes(graph).items(), key=lambda kv: kv[0].idx)]
-    outs = sorted(fx_utils.get_plain_output_and_tangent_nodes(graph).items(), key=lambda kv: kv[0].idx)
+    inputs_nodes = [
+        n
+        for _d, (n, _g) in sorted(
+            fx_utils.get_plain_input_and_grad_nodes(graph).items(), key=lambda kv: kv[0].idx
+        )
+    ]
+    outs = sorted(
+        fx_utils.get_plain_output_and_tangent_nodes(graph).items(), key=lambda kv: kv[0].idx
+    )
     outputs = [o for _d, (o, _t) in outs]
     tangents = [t for _d, (_o, t) in outs]
     _merge_tied(graph, params, grads, fake_model)  # after the last descriptor lookup
     if len(inputs_nodes) != len(flat_inputs):
         raise PlannerError(
-            f"traced graph has {len(inputs_nodes)} input placeholders for {len(flat_inputs)} inputs "
-            "(an input is unused or aliased)")
+            f"traced graph has {len(inputs_nodes)} input placeholders for "
+            f"{len(flat_inputs)} inputs "
+            "(an input is unused or aliased)"
+        )
     needs_grad = [n for n, p in model.named_parameters() if p.requires_grad]
     if needs_grad and all(g is None for g in grads.values()):
         raise PlannerError("traced graph has no backward: no parameter received a gradient")
 
     tg = TracedGraph(
-        gm=gm, params=params, buffers=buffers, inputs=inputs_nodes, outputs=outputs,
-        tangents=tangents, grads=grads, input_spec=input_spec, output_spec=getattr(joint, "out_spec", None),
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        inputs=inputs_nodes,
+        outputs=outputs,
+        tangents=tangents,
+        grads=grads,
+        input_spec=input_spec,
+        output_spec=getattr(joint, "out_spec", None),
         param_dtype=param_dtype,
     )
     tg.forward_nodes = forward_nodes(tg)
     if blocks:
         names = {n: f for f, n in {**params, **buffers}.items()}
-        keys = {c: [k for k, _m in fake_model.get_submodule(c).named_children()] for c in containers}
+        keys = {
+            c: [k for k, _m in fake_model.get_submodule(c).named_children()] for c in containers
+        }
         tg.blocks, tg.shallow = blocks, shallow
         tg.labels = repeat.read_labels(gm, names, containers, keys)
         if shallow:
@@ -239,8 +260,10 @@ def _annotating(entries: list[tuple[nn.Module, dict]]):
         open_ctx.pop().__exit__(None, None, None)
 
     for mod, note in entries:
-        handles += [mod.register_forward_pre_hook(functools.partial(pre, note=note)),
-                    mod.register_forward_hook(post)]
+        handles += [
+            mod.register_forward_pre_hook(functools.partial(pre, note=note)),
+            mod.register_forward_hook(post),
+        ]
     try:
         yield
     finally:
@@ -260,9 +283,11 @@ def _data_dependent_message(e: Exception) -> str:
             where = f"{frame.filename}:{frame.lineno} ({frame.line})"
             break
     op = getattr(e, "func", None) or str(e).splitlines()[0]
-    return (f"data-dependent op {op} at {where}: the planner traces with fake tensors and cannot "
-            "branch on tensor values; make the control flow independent of the data "
-            "(or guard it with torch.compiler.is_compiling())")
+    return (
+        f"data-dependent op {op} at {where}: the planner traces with fake tensors and cannot "
+        "branch on tensor values; make the control flow independent of the data "
+        "(or guard it with torch.compiler.is_compiling())"
+    )
 
 
 def _merge_tied(graph: fx.Graph, params: dict, grads: dict, model: nn.Module) -> None:
@@ -300,7 +325,8 @@ def _reject_random_ops(graph: fx.Graph) -> None:
             raise PlannerError(
                 f"random op {n.target} in '{where}' is not supported: every rank would draw "
                 "other numbers than one process (e.g. dropout in train mode); set its "
-                "probability to 0 or call model.eval()")
+                "probability to 0 or call model.eval()"
+            )
 
 
 def _check_outputs(graph: fx.Graph) -> None:
@@ -314,7 +340,8 @@ def _check_outputs(graph: fx.Graph) -> None:
             what = getattr(getattr(desc, "mutated_input", None), "target", None) or desc
             raise PlannerError(
                 f"unsupported side effect in forward: {type(desc).__name__} ({what}); "
-                "in-place updates of inputs or buffers are not supported")
+                "in-place updates of inputs or buffers are not supported"
+            )
 
 
 def forward_nodes(tg: TracedGraph) -> set[fx.Node]:

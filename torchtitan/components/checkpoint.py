@@ -162,7 +162,9 @@ def write_manifest(folder: Path) -> None:
 def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     """The manifest's {file: {"size", "blake2b"}}; ValueError if it is not one of ours."""
     manifest = json.loads(path.read_text())
-    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in _MANIFEST_FORMAT.items()):
+    if not isinstance(manifest, dict) or any(
+        manifest.get(k) != v for k, v in _MANIFEST_FORMAT.items()
+    ):
         raise ValueError(f"not a {_MANIFEST_FORMAT} manifest")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(
@@ -223,8 +225,11 @@ def _without_manifest(path: Path, strict: bool) -> str | None:
 # value types inside them. Anything else (os.system, ...) is refused.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _SAFE_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
 } | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
@@ -236,7 +241,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
             if isinstance(obj, type) and obj.__module__ == module:  # its own classes only
                 return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}, which is not allowed")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata references {module}.{name}, which is not allowed"
+        )
 
 
 class SafeReader(FileSystemReader):
@@ -306,20 +313,32 @@ class CheckpointManager:
     this step saves), `close()` at the end (waits for an asynchronous save).
     """
 
-    def __init__(self, dataloader: Stateful, model_parts: list[nn.Module], optimizers: Stateful,
-                 lr_schedulers: Stateful, states: dict[str, Stateful], job_config: Any):
+    def __init__(
+        self,
+        dataloader: Stateful,
+        model_parts: list[nn.Module],
+        optimizers: Stateful,
+        lr_schedulers: Stateful,
+        states: dict[str, Stateful],
+        job_config: Any,
+    ):
         cfg = self.cfg = job_config.checkpoint
         self.enable = cfg.enable
         self.folder = Path(job_config.job.dump_folder) / cfg.folder
         self.model_parts = model_parts
         # Restored in this order: the schedule after the optimizer (see `_restore`).
         self.states: dict[str, Stateful] = {
-            "optimizer": optimizers, "lr_scheduler": lr_schedulers, "dataloader": dataloader, **states,
+            "optimizer": optimizers,
+            "lr_scheduler": lr_schedulers,
+            "dataloader": dataloader,
+            **states,
         }
         if cfg.interval < 1:
             raise UserInputError(f"--checkpoint.interval must be at least 1, got {cfg.interval}")
         if cfg.keep_latest_k < 0:
-            raise UserInputError(f"--checkpoint.keep_latest_k must be 0 (keep all) or more, got {cfg.keep_latest_k}")
+            raise UserInputError(
+                f"--checkpoint.keep_latest_k must be 0 (keep all) or more, got {cfg.keep_latest_k}"
+            )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: tuple[Future, Path, Path, int, float, bool] | None = None
         self._async_pg = None
@@ -357,7 +376,9 @@ class CheckpointManager:
             if isinstance(found, str):  # an error found by rank 0, raised on every rank
                 raise UserInputError(found)
             if found is not None:
-                self._load(self.folder / f"step-{found}", model_only=False, what=f"checkpoint step-{found}")
+                self._load(
+                    self.folder / f"step-{found}", model_only=False, what=f"checkpoint step-{found}"
+                )
                 return True
         path = self.cfg.initial_load_path
         if path:
@@ -369,10 +390,15 @@ class CheckpointManager:
                 )
             reason = _broadcast(verify_checkpoint(root) if self.rank == 0 else None)
             if reason:
-                raise UserInputError(f"--checkpoint.initial_load_path {path}: corrupt checkpoint: {reason}")
+                raise UserInputError(
+                    f"--checkpoint.initial_load_path {path}: corrupt checkpoint: {reason}"
+                )
             model_only = self.cfg.initial_load_model_only
-            self._load(root, model_only=model_only,
-                       what="initial_load_path" + (" (model weights only)" if model_only else ""))
+            self._load(
+                root,
+                model_only=model_only,
+                what="initial_load_path" + (" (model weights only)" if model_only else ""),
+            )
             return True
         return False
 
@@ -387,7 +413,9 @@ class CheckpointManager:
         """Rank 0: the step to resume from, None for none, or an error message."""
         complete, partial = scan_folder(self.folder)
         for path in partial:
-            logger.warning("ignoring and deleting incomplete checkpoint %s (an interrupted save)", path)
+            logger.warning(
+                "ignoring and deleting incomplete checkpoint %s (an interrupted save)", path
+            )
             shutil.rmtree(path, ignore_errors=True)
         if step >= 0:
             return self._check_load_step(step, complete)
@@ -399,7 +427,9 @@ class CheckpointManager:
                 keys = read_keys(path)
             except Exception as e:  # noqa: BLE001 - reported and skipped
                 # The manifest, if any, says more precisely what is wrong with .metadata.
-                skipped.append((path, verify_checkpoint(path) or f".metadata unreadable ({_reason(e)})"))
+                skipped.append(
+                    (path, verify_checkpoint(path) or f".metadata unreadable ({_reason(e)})")
+                )
                 continue
             if not self._is_full(keys):  # before hashing: an export is skipped anyway
                 logger.info("not resuming from %s: model-only export", path)
@@ -409,7 +439,11 @@ class CheckpointManager:
                 chosen = candidate
                 break
             skipped.append((path, reason))
-        then = f"falling back to step-{chosen}" if chosen is not None else "no intact checkpoint left to resume from"
+        then = (
+            f"falling back to step-{chosen}"
+            if chosen is not None
+            else "no intact checkpoint left to resume from"
+        )
         for path, reason in skipped:
             logger.warning("checkpoint %s: %s; %s", path, reason, then)
         return chosen
@@ -418,17 +452,23 @@ class CheckpointManager:
         """`step` if `--checkpoint.load_step step` can resume training, else why not."""
         flag = f"--checkpoint.load_step {step}"
         if step not in complete:
-            return (f"{flag}: no complete checkpoint step-{step} in "
-                    f"{self.folder} (found: {', '.join(map(str, complete)) or 'none'})")
+            return (
+                f"{flag}: no complete checkpoint step-{step} in "
+                f"{self.folder} (found: {', '.join(map(str, complete)) or 'none'})"
+            )
         path = complete[step]
         reason = verify_checkpoint(path)
         if reason:
             others = ", ".join(str(s) for s in complete if s != step) or "none"
-            return (f"{flag}: checkpoint {path} is corrupt: {reason}; pick another step "
-                    f"(found: {others}) or delete that folder")
+            return (
+                f"{flag}: checkpoint {path} is corrupt: {reason}; pick another step "
+                f"(found: {others}) or delete that folder"
+            )
         if not self._is_full(read_keys(path)):
-            return (f"{flag}: {path} is a model-only export and "
-                    "cannot resume training; load it with --checkpoint.initial_load_path instead")
+            return (
+                f"{flag}: {path} is a model-only export and "
+                "cannot resume training; load it with --checkpoint.initial_load_path instead"
+            )
         return step
 
     def _load(self, path: Path, model_only: bool, what: str) -> None:
@@ -469,8 +509,11 @@ class CheckpointManager:
             future = dcp.async_save(state_dict, storage_writer=writer, process_group=self._async_pg)
             future = getattr(future, "upload_completion", future)
             self._pending = (future, tmp, final, curr_step, start, model_only)
-            logger.info("checkpoint step-%d: staged in %.1f s, writing in the background",
-                        curr_step, time.monotonic() - start)
+            logger.info(
+                "checkpoint step-%d: staged in %.1f s, writing in the background",
+                curr_step,
+                time.monotonic() - start,
+            )
         else:
             dcp.save(state_dict, storage_writer=writer)
             self._commit(tmp, final, curr_step, start, model_only)
@@ -496,9 +539,17 @@ class CheckpointManager:
         tmp.rename(final)
         _fsync_dir(final.parent)
         kind = "model-only checkpoint" if model_only else "checkpoint"
-        logger.info("saved %s %s in %.1f s (checksums %.1f s)", kind, final, time.monotonic() - start, hashing)
+        logger.info(
+            "saved %s %s in %.1f s (checksums %.1f s)",
+            kind,
+            final,
+            time.monotonic() - start,
+            hashing,
+        )
         for path in purge_old(self.folder, self.cfg.keep_latest_k):
-            logger.info("deleted old checkpoint %s (keep_latest_k %d)", path, self.cfg.keep_latest_k)
+            logger.info(
+                "deleted old checkpoint %s (keep_latest_k %d)", path, self.cfg.keep_latest_k
+            )
 
     def close(self) -> None:
         """Finish an asynchronous save still in flight."""

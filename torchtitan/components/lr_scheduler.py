@@ -15,14 +15,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float | None,
-              decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """Multiplier of the peak LR for the optimizer step number `step` (1-based)."""
     warmup_steps = min(warmup_steps, total_steps)
     decay_steps = (
-        total_steps - warmup_steps
-        if decay_ratio is None
-        else round(total_steps * decay_ratio)
+        total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
     )
     decay_start = total_steps - decay_steps
     if step <= warmup_steps:
@@ -89,7 +94,9 @@ class LRSchedulersContainer(Stateful):
                 base * lam(scheduler.last_epoch)
                 for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas)
             ]
-            for group, base, lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr):
+            for group, base, lr in zip(
+                scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr
+            ):
                 group["initial_lr"] = base  # a loaded optimizer state brings the saved peak
                 group["lr"] = lr
 

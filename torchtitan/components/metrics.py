@@ -56,7 +56,9 @@ class MemoryMonitor:
     def __init__(self, device_type: str):
         self.device_type = device_type
         if device_type == "cuda":
-            self.capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            self.capacity = torch.cuda.get_device_properties(
+                torch.cuda.current_device()
+            ).total_memory
         else:
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -83,8 +85,14 @@ class MemoryMonitor:
 class MetricsProcessor:
     """Counts tokens between log steps and prints the step line on rank 0."""
 
-    def __init__(self, job_config: Any, device_type: str, flops_per_token: int,
-                 ranks_per_sample_stream: int, rank: int):
+    def __init__(
+        self,
+        job_config: Any,
+        device_type: str,
+        flops_per_token: int,
+        ranks_per_sample_stream: int,
+        rank: int,
+    ):
         cfg = job_config.metrics
         self.flops_per_token = flops_per_token
         self.ranks_per_sample_stream = ranks_per_sample_stream
@@ -105,7 +113,9 @@ class MetricsProcessor:
     def count_tokens(self, n: int) -> None:
         self.tokens_since_log += n
 
-    def log(self, step: int, loss: float, max_loss: float, grad_norm: float, lr: float) -> dict[str, float]:
+    def log(
+        self, step: int, loss: float, max_loss: float, grad_norm: float, lr: float
+    ) -> dict[str, float]:
         elapsed = time.perf_counter() - self.time_last_log
         tps = self.tokens_since_log / elapsed / self.ranks_per_sample_stream
         tflops = self.flops_per_token * tps / 1e12

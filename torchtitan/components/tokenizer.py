@@ -54,9 +54,13 @@ def _load_config(file: Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AssetError(f"{file}: not valid JSON ({e}); fix or delete it (it only names BOS/EOS)") from e
+        raise AssetError(
+            f"{file}: not valid JSON ({e}); fix or delete it (it only names BOS/EOS)"
+        ) from e
     if not isinstance(config, dict):
-        raise AssetError(f"{file}: expected a JSON object, got {type(config).__name__}; fix or delete it")
+        raise AssetError(
+            f"{file}: expected a JSON object, got {type(config).__name__}; fix or delete it"
+        )
     return config
 
 

@@ -225,7 +225,8 @@ class Compile:
     (only parameter all-gathers) — the values inductor's `bucket_all_gathers_fx` accepts."""
 
     bucket_reduce_scatters_fx: str = "none"
-    """Merge reduce-scatters in compiled graphs: none or all (inductor's `bucket_reduce_scatters_fx`)."""
+    """Merge reduce-scatters in compiled graphs: none or all (inductor's
+    `bucket_reduce_scatters_fx`)."""
 
     reorder_for_compute_comm_overlap: bool = False
     """Let inductor move collectives and their waits to overlap communication with compute."""

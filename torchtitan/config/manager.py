@@ -146,8 +146,11 @@ def _convert(tp: Any, raw: Any, from_cli: bool) -> Any:
 def _unknown(cls: type, parents: list[str], name: str, where: str) -> ConfigError:
     """Error for a name that is not a field of `cls`, suggesting the closest one."""
     names = list(_fields(cls))
-    what = f"unknown key {name!r} in section [{'.'.join(parents)}]" if parents else (
-        f"unknown section {name!r}")
+    what = (
+        f"unknown key {name!r} in section [{'.'.join(parents)}]"
+        if parents
+        else (f"unknown section {name!r}")
+    )
     close = difflib.get_close_matches(name.replace("-", "_"), names, n=1)
     hint = f"did you mean {close[0]!r}?" if close else "allowed: " + ", ".join(names)
     return ConfigError(f"{where}: {what}; {hint}")
@@ -242,7 +245,8 @@ class ConfigManager:
             i += 1
             if not tok.startswith("--") or len(tok) == 2:
                 raise ConfigError(
-                    f"unexpected argument {tok!r}; options look like --section.key value")
+                    f"unexpected argument {tok!r}; options look like --section.key value"
+                )
             opt, eq, value = tok.partition("=")
             parts = opt[2:].replace("-", "_").split(".")
             obj, parents = config, []
@@ -251,8 +255,9 @@ class ConfigManager:
                 if part not in _fields(cls):
                     raise _unknown(cls, parents, part, opt)
                 if not _is_section(_hints(cls)[part]):
-                    raise ConfigError(f"{opt}: {'.'.join(parents + [part])!r} is a key, "
-                                      "not a section")
+                    raise ConfigError(
+                        f"{opt}: {'.'.join(parents + [part])!r} is a key, not a section"
+                    )
                 obj, parents = getattr(obj, part), parents + [part]
             cls, key, negate = type(obj), parts[-1], False
             if key not in _fields(cls) and key.startswith("no_"):
@@ -263,12 +268,16 @@ class ConfigManager:
                 raise _unknown(cls, parents, parts[-1], opt)
             tp = _hints(cls)[key]
             if _is_section(tp):
-                raise ConfigError(f"{opt}: {'.'.join(parents + [key])!r} is a section; "
-                                  f"set one of its keys, e.g. {opt}.{next(iter(_fields(tp)))}")
+                raise ConfigError(
+                    f"{opt}: {'.'.join(parents + [key])!r} is a section; "
+                    f"set one of its keys, e.g. {opt}.{next(iter(_fields(tp)))}"
+                )
             dotted = ".".join(parents + [key])
             if dotted in given:
-                raise ConfigError(f"{opt}: {dotted} is set twice on the command line (first "
-                                  f"by {given[dotted]}); give it once")
+                raise ConfigError(
+                    f"{opt}: {dotted} is set twice on the command line (first "
+                    f"by {given[dotted]}); give it once"
+                )
             given[dotted] = opt
             is_bool = _strip_optional(tp)[0] is bool
             has_next = i < len(argv) and not argv[i].startswith("--")
@@ -317,8 +326,11 @@ class ConfigManager:
                 head = f"  {opt} {_type_label(tp)}"
             lines.append(f"{head}  (default: {_format_value(getattr(obj, f.name))})")
             if f.name in docs:
-                lines.append(textwrap.fill(docs[f.name], width=92, initial_indent=" " * 6,
-                                           subsequent_indent=" " * 6))
+                lines.append(
+                    textwrap.fill(
+                        docs[f.name], width=92, initial_indent=" " * 6, subsequent_indent=" " * 6
+                    )
+                )
         for f in dataclasses.fields(cls):
             if _is_section(_hints(cls)[f.name]):
                 self._help_section(getattr(obj, f.name), parents + [f.name], lines)
@@ -341,8 +353,11 @@ def _toml_value(value: Any) -> str:
         return repr(value)  # repr of inf/nan/1e-08 is valid TOML too
     if isinstance(value, str):
         escaped = "".join(
-            {'"': '\\"', "\\": "\\\\"}.get(c, c) if ord(c) >= 0x20 and c != "\x7f"
-            else f"\\u{ord(c):04x}" for c in value)
+            {'"': '\\"', "\\": "\\\\"}.get(c, c)
+            if ord(c) >= 0x20 and c != "\x7f"
+            else f"\\u{ord(c):04x}"
+            for c in value
+        )
         return f'"{escaped}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"

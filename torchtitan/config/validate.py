@@ -27,16 +27,23 @@ def _at_least(obj: Any, section: str, key: str, low: int, *, or_value: int | Non
     raise ConfigError(f"{name}: must be {allowed}, got {value}")
 
 
-def _number_in(obj: Any, section: str, key: str, low: float, high: float, *,
-               low_open: bool = False, high_open: bool = False) -> None:
+def _number_in(
+    obj: Any,
+    section: str,
+    key: str,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     name, value = _option(section, key, obj)
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     if math.isfinite(value) and not too_low and not too_high:
         return
     left, right = "(" if low_open else "[", ")" if high_open else "]"
-    raise ConfigError(f"{name}: must be a finite number in {left}{low}, {high}{right}, "
-                      f"got {value}")
+    raise ConfigError(f"{name}: must be a finite number in {left}{low}, {high}{right}, got {value}")
 
 
 def _check_training(cfg: Any) -> None:
@@ -78,8 +85,9 @@ def _check_outputs(cfg: Any) -> None:
     _at_least(cfg.checkpoint, "checkpoint", "load_step", 0, or_value=-1)
     _at_least(cfg.metrics, "metrics", "log_freq", 1)
     _at_least(cfg.metrics, "metrics", "count_collectives_step", 0)
-    _number_in(cfg.metrics, "metrics", "cpu_peak_tflops", 0.0, math.inf,
-               low_open=True, high_open=True)
+    _number_in(
+        cfg.metrics, "metrics", "cpu_peak_tflops", 0.0, math.inf, low_open=True, high_open=True
+    )
     _at_least(cfg.comm, "comm", "init_timeout_seconds", 1)
     _at_least(cfg.comm, "comm", "train_timeout_seconds", 1)
     limit = cfg.compile.reorder_prefetch_limit

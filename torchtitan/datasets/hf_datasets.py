@@ -200,7 +200,8 @@ def _read_parquet_texts(file: Path) -> Iterator[tuple[str, int]]:
     def unreadable(e: Exception) -> AssetError:
         reason = " ".join(str(e).split())[:200]
         return AssetError(
-            f"{file}: not a readable parquet file ({reason}); rewrite it or move it out of the dataset path"
+            f"{file}: not a readable parquet file ({reason}); "
+            "rewrite it or move it out of the dataset path"
         )
 
     try:
@@ -212,15 +213,20 @@ def _read_parquet_texts(file: Path) -> Iterator[tuple[str, int]]:
         columns = ", ".join(schema.names[:8]) or "none"
         raise AssetError(f'{file}: the parquet file needs a "text" column (its columns: {columns})')
     kind = schema.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise AssetError(f'{file}: the "text" column must hold strings, got {kind}; convert it to strings')
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+    ):
+        raise AssetError(
+            f'{file}: the "text" column must hold strings, got {kind}; convert it to strings'
+        )
     size, rows, row = file.stat().st_size, max(parquet.metadata.num_rows, 1), 0
     try:
         for batch in parquet.iter_batches(columns=["text"]):
             for text in batch.column(0).to_pylist():
                 if text is None:
                     raise AssetError(
-                        f'{file}: row {row} (counting from 0): "text" is null; fill or drop that row'
+                        f'{file}: row {row} (counting from 0): "text" is null; '
+                        "fill or drop that row"
                     )
                 row += 1
                 yield text, size * row // rows
@@ -254,7 +260,9 @@ def _no_text(path: str, files: list[Path]) -> AssetError:
     fix = "add documents, or point --training.dataset_path at other files"
     if len(files) == 1:
         return AssetError(f"{files[0]} holds no text (the file is empty or blank); {fix}")
-    named = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    named = ", ".join(str(f) for f in files[:3]) + (
+        f" and {len(files) - 3} more" if len(files) > 3 else ""
+    )
     return AssetError(f"dataset path '{path}' holds no text: {named} are empty or blank; {fix}")
 
 
@@ -324,15 +332,20 @@ def check_local_dataset(path: str, max_bytes: int = 64 * 2**20) -> str:
         raise _no_text(path, files)
     scope = "all"
     if not complete:
-        scope = f"{_format_bytes(checked)} of {_format_bytes(total)} sampled: the start of each file"
-    return f"checked {len(files)} file{'s' if len(files) != 1 else ''}, {documents:,} documents ({scope})"
+        scope = (
+            f"{_format_bytes(checked)} of {_format_bytes(total)} sampled: the start of each file"
+        )
+    plural = "s" if len(files) != 1 else ""
+    return f"checked {len(files)} file{plural}, {documents:,} documents ({scope})"
 
 
 def _hub_offline() -> bool:
     import datasets
 
     flags = (os.environ.get(k, "").upper() for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    return any(f in ("1", "ON", "YES", "TRUE") for f in flags) or bool(datasets.config.HF_HUB_OFFLINE)
+    return any(f in ("1", "ON", "YES", "TRUE") for f in flags) or bool(
+        datasets.config.HF_HUB_OFFLINE
+    )
 
 
 _HUB_PROBE_TIMEOUT_S = 3.0
@@ -420,7 +433,9 @@ class DatasetConfig:
 
 DATASETS: dict[str, DatasetConfig] = {
     "titan_corpus": DatasetConfig(path="tests/assets/titan_corpus", loader=load_local_dataset),
-    "c4": DatasetConfig(path="allenai/c4", loader=partial(load_hub_dataset, name="en", split="train")),
+    "c4": DatasetConfig(
+        path="allenai/c4", loader=partial(load_hub_dataset, name="en", split="train")
+    ),
     "c4_validation": DatasetConfig(
         path="allenai/c4", loader=partial(load_hub_dataset, name="en", split="validation")
     ),
@@ -535,7 +550,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
             batch = list(itertools.islice(windows, global_batch))
             if len(batch) < global_batch:
                 return
-            yield from batch[start:start + self._local_batch_size]
+            yield from batch[start : start + self._local_batch_size]
 
     def _windows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The global stream of packed windows, continuing from the current position."""
@@ -595,7 +610,9 @@ class HuggingFaceDataset(IterableDataset, Stateful):
 # ---------------------------------------------------------------------------------------
 
 
-def _collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _collate(
+    samples: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     inputs, labels = zip(*samples)
     return {"input": torch.stack(inputs)}, torch.stack(labels)
 

@@ -7,7 +7,6 @@ chosen block in place so parameter names are unchanged apart from the wrapper pr
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
 from typing import Any
 
 import torch
@@ -67,5 +66,11 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
             model.layers.register_module(name, _wrap(block, op_level))
-    logger.info(f"applied {mode} activation checkpointing"
-                + (f" ({'op-level' if op_level else f'every {every} block(s)'})" if mode == "selective" else ""))
+    logger.info(
+        f"applied {mode} activation checkpointing"
+        + (
+            f" ({'op-level' if op_level else f'every {every} block(s)'})"
+            if mode == "selective"
+            else ""
+        )
+    )

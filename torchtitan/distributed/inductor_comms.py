@@ -51,17 +51,27 @@ def inductor_settings(compile_config: Any) -> dict[str, Any]:
         )
     for name in passes:
         if not callable(getattr(comms, name, None)) or name.startswith("_"):
-            known = sorted(n for n in ("sink_waits", "sink_waits_iterative", "raise_comms",
-                                       "reorder_compute_for_overlap",
-                                       "reorder_communication_preserving_peak_memory")
-                           if callable(getattr(comms, n, None)))
+            known = sorted(
+                n
+                for n in (
+                    "sink_waits",
+                    "sink_waits_iterative",
+                    "raise_comms",
+                    "reorder_compute_for_overlap",
+                    "reorder_communication_preserving_peak_memory",
+                )
+                if callable(getattr(comms, n, None))
+            )
             raise UserInputError(
                 f"--compile.reorder_for_compute_comm_overlap_passes: unknown pass {name!r}; "
                 f"this torch offers {', '.join(known)}"
             )
     if compile_config.reorder_for_compute_comm_overlap:
-        _require_key(inductor_config, "reorder_for_compute_comm_overlap",
-                     "--compile.reorder_for_compute_comm_overlap")
+        _require_key(
+            inductor_config,
+            "reorder_for_compute_comm_overlap",
+            "--compile.reorder_for_compute_comm_overlap",
+        )
         settings["reorder_for_compute_comm_overlap"] = True
         settings["reorder_for_compute_comm_overlap_passes"] = passes
         # Reordering moves buffer lifetimes; inductor's buffer reuse assumes the old order.
@@ -69,7 +79,8 @@ def inductor_settings(compile_config: Any) -> dict[str, Any]:
     if compile_config.reorder_prefetch_limit is not None:
         if compile_config.reorder_prefetch_limit < 0:
             raise UserInputError(
-                f"--compile.reorder_prefetch_limit must be >= 0, got {compile_config.reorder_prefetch_limit}"
+                "--compile.reorder_prefetch_limit must be >= 0, "
+                f"got {compile_config.reorder_prefetch_limit}"
             )
         settings["reorder_prefetch_limit"] = compile_config.reorder_prefetch_limit
     if compile_config.force_disable_caches:

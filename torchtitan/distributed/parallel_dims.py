@@ -32,12 +32,12 @@ class ParallelDims:
     _flat_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name, degree in (("data_parallel_replicate_degree", self.dp_replicate),
-                             ("tensor_parallel_degree", self.tp)):
+        for name, degree in (
+            ("data_parallel_replicate_degree", self.dp_replicate),
+            ("tensor_parallel_degree", self.tp),
+        ):
             if degree < 1:
-                raise ParallelismConfigError(
-                    f"--parallelism.{name} must be >= 1, got {degree}"
-                )
+                raise ParallelismConfigError(f"--parallelism.{name} must be >= 1, got {degree}")
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.tp
             if self.world_size % rest:
@@ -71,8 +71,15 @@ class ParallelDims:
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        dims = [(n, d) for n, d in (("dp_replicate", self.dp_replicate),
-                                    ("dp_shard", self.dp_shard), ("tp", self.tp)) if d > 1]
+        dims = [
+            (n, d)
+            for n, d in (
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+            )
+            if d > 1
+        ]
         if not dims:  # a single rank: a 1-element mesh keeps the code paths uniform
             dims = [("dp_shard", 1)]
         names = tuple(n for n, _ in dims)
@@ -125,8 +132,7 @@ class ParallelDims:
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled and self.enable_loss_parallel
 
-    def check_tensor_parallel_sizes(self, sizes: dict[str, int], seq_len: int,
-                                    model: str) -> None:
+    def check_tensor_parallel_sizes(self, sizes: dict[str, int], seq_len: int, model: str) -> None:
         """Refuse a tp degree that does not divide the model's split sizes (see
         `BaseModelArgs.tensor_parallel_sizes`) or the sequence (sequence parallelism)."""
         if not self.tp_enabled:
@@ -138,8 +144,11 @@ class ParallelDims:
         bad = [f"{name} {size}" for name, size in sizes.items() if size % self.tp]
         if not bad:
             return
-        fits = [d for d in range(1, self.world_size + 1)
-                if self.world_size % d == 0 and all(s % d == 0 for s in sizes.values())]
+        fits = [
+            d
+            for d in range(1, self.world_size + 1)
+            if self.world_size % d == 0 and all(s % d == 0 for s in sizes.values())
+        ]
         raise ParallelismConfigError(
             f"--parallelism.tensor_parallel_degree {self.tp} does not divide "
             f"{', '.join(bad)} of {model}; use one that divides them all and the world size "

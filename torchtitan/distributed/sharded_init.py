@@ -54,13 +54,17 @@ _RANDOM_FILLS = {
 
 def _is_inplace(func) -> bool:
     schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+    return (
+        bool(schema.arguments)
+        and schema.arguments[0].alias_info is not None
         and schema.arguments[0].alias_info.is_write
+    )
 
 
 def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements)
+        target.shape, target.device_mesh, target.placements
+    )
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
@@ -87,29 +91,42 @@ class _ExactShardedInit(TorchDispatchMode):
         target = args[0] if args else None
         if func.overloadpacket in _RANDOM_FILLS and isinstance(target, DTensor):
             return self._draw_full(func, target, args, kwargs)
-        if isinstance(target, torch.Tensor) and not isinstance(target, DTensor) \
-                and id(target) in self.views:
+        if (
+            isinstance(target, torch.Tensor)
+            and not isinstance(target, DTensor)
+            and id(target) in self.views
+        ):
             return self._on_full_view(func, target, args, kwargs)
         if not tree_any(lambda a: isinstance(a, DTensor), (args, kwargs)):
             return func(*args, **kwargs)
         try:
             with implicit_replication():
                 out = func(*args, **kwargs)
-        except Exception as e:
+        except Exception:
             if isinstance(target, DTensor) and _is_inplace(func):
                 try:
                     return self._inplace_on_full(func, target, args, kwargs)
                 except Exception as e_full:
                     e = e_full
-            culprit = target if isinstance(target, DTensor) else next(
-                a for a in args if isinstance(a, DTensor))
+            culprit = (
+                target
+                if isinstance(target, DTensor)
+                else next(a for a in args if isinstance(a, DTensor))
+            )
             raise RuntimeError(
-                f"sharded init: {func} on '{self._name(culprit)}' failed: {e}") from e
-        if func.is_view and isinstance(target, DTensor) and isinstance(out, DTensor) \
-                and not _shares_storage(out, target):
+                f"sharded init: {func} on '{self._name(culprit)}' failed: {e}"
+            ) from e
+        if (
+            func.is_view
+            and isinstance(target, DTensor)
+            and isinstance(out, DTensor)
+            and not _shares_storage(out, target)
+        ):
             # DTensor redistributed to build this view: a write into it would be lost
             full = target.full_tensor()
-            view = func(full, *tree_map_only(DTensor, lambda d: d.full_tensor(), args[1:]), **kwargs)
+            view = func(
+                full, *tree_map_only(DTensor, lambda d: d.full_tensor(), args[1:]), **kwargs
+            )
             self.views[id(view)] = (full, target)
             return view
         return out
@@ -170,16 +187,22 @@ def every_value_initialised(model: nn.Module) -> Iterator[None]:
 
     from torchtitan.errors import UserInputError
 
-    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
-             if t.is_floating_point() or t.is_complex()]
+    named = [
+        (n, t)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() or t.is_complex()
+    ]
     with torch.no_grad():
         for _, t in named:
             t.fill_(float("nan"))
     yield
     now = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # init may reassign
     local = [t.to_local() if isinstance(t, DTensor) else t for t in (now[n] for n, _ in named)]
-    left = torch.tensor([bool(torch.isnan(x).any()) for x in local],
-                        dtype=torch.uint8, device=local[0].device if local else "cpu")
+    left = torch.tensor(
+        [bool(torch.isnan(x).any()) for x in local],
+        dtype=torch.uint8,
+        device=local[0].device if local else "cpu",
+    )
     if dist.is_available() and dist.is_initialized() and left.numel():
         dist.all_reduce(left, op=dist.ReduceOp.MAX)
     missing = [n for (n, _), flag in zip(named, left.tolist()) if flag]
@@ -187,4 +210,5 @@ def every_value_initialised(model: nn.Module) -> Iterator[None]:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise UserInputError(
             f"init_weights left {', '.join(missing[:3])}{more} uninitialised (still NaN after "
-            "to_empty): the model's init must set every parameter and buffer")
+            "to_empty): the model's init must set every parameter and buffer"
+        )

@@ -31,9 +31,7 @@ def init_distributed(init_timeout_seconds: int) -> int:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=init_timeout_seconds)
-        )
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
     return dist.get_world_size()
 
 

@@ -1,9 +1,9 @@
 from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
 from torchtitan.protocols.train_spec import (
+    TrainSpec,
     get_train_spec,
     register_train_spec,
     registered_names,
-    TrainSpec,
 )
 
 __all__ = [

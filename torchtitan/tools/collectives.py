@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-
 BACKENDS = ("gloo:", "nccl:")
 
 

@@ -39,9 +39,7 @@ def init_logger() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     handler.addFilter(_repeats)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -43,10 +43,12 @@ def deterministic_args(seed: int = 42) -> list[str]:
     """Options that make two runs comparable: fixed seed, deterministic kernels, and a
     TensorBoard loss scalar on every step."""
     return [
-        "--training.seed", str(seed),
+        "--training.seed",
+        str(seed),
         "--training.deterministic",
         "--metrics.enable_tensorboard",
-        "--metrics.log_freq", "1",
+        "--metrics.log_freq",
+        "1",
         "--metrics.disable_color_printing",
     ]
 
@@ -64,14 +66,21 @@ class Run:
 
     def check(self) -> "Run":
         assert self.returncode == 0, (
-            f"training failed (rc {self.returncode}):\n{self.output[-6000:]}")
+            f"training failed (rc {self.returncode}):\n{self.output[-6000:]}"
+        )
         return self
 
 
-def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
-                 config_file: str | Path = DEBUG_TOML, timeout: float = 1800,
-                 env: dict[str, str] | None = None,
-                 inductor_cache: str | Path | None = None) -> Run:
+def run_training(
+    nproc: int,
+    args: list[str],
+    dump_folder: str | Path,
+    *,
+    config_file: str | Path = DEBUG_TOML,
+    timeout: float = 1800,
+    env: dict[str, str] | None = None,
+    inductor_cache: str | Path | None = None,
+) -> Run:
     """Run `python -m torchtitan.train` on `nproc` ranks with `config_file` + `args`.
 
     No seed or metrics options are added; an option given more than once (defaults plus
@@ -94,13 +103,32 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
     full_env.update(env or {})
     trainer = ["-m", "torchtitan.train"]
     if inductor_cache is not None:
-        trainer = ["--no-python", "sh", "-c", 'TORCHINDUCTOR_CACHE_DIR="$0/rank$RANK" exec "$@"',
-                   str(Path(inductor_cache).resolve()), sys.executable, "-u", *trainer]
+        trainer = [
+            "--no-python",
+            "sh",
+            "-c",
+            'TORCHINDUCTOR_CACHE_DIR="$0/rank$RANK" exec "$@"',
+            str(Path(inductor_cache).resolve()),
+            sys.executable,
+            "-u",
+            *trainer,
+        ]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", *trainer,
-        *last_wins(["--job.config_file", str(Path(config_file).resolve()),
-                    "--job.dump_folder", str(dump_folder), *args]),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *trainer,
+        *last_wins(
+            [
+                "--job.config_file",
+                str(Path(config_file).resolve()),
+                "--job.dump_folder",
+                str(dump_folder),
+                *args,
+            ]
+        ),
     ]
     code, output = launch_and_wait(cmd, full_env, timeout, "loss_compare")
     (dump_folder / LOG_NAME).write_text(output)
@@ -110,8 +138,9 @@ def run_training(nproc: int, args: list[str], dump_folder: str | Path, *,
 def launch_and_wait(cmd: list[str], env: dict, timeout: float, label: str) -> tuple[int, str]:
     """Run a torchrun command from the repo root; (exit code, stdout+stderr).  On timeout it
     is stopped (see `_stop`) and the code is 124; on any other interruption it is stopped too."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         return proc.returncode, output
@@ -136,10 +165,19 @@ def _stop(proc: subprocess.Popen) -> str:
 def preflight(nproc: int, args: list[str], config_file: str | Path = DEBUG_TOML) -> str | None:
     """Check a configuration without starting ranks (`torchtitan.preflight`): the trainer's
     one-line complaint about it, or None when it is fine."""
-    cmd = [sys.executable, "-m", "torchtitan.preflight", "--world-size", str(nproc),
-           "--job.config_file", str(Path(config_file).resolve()), *args]
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan.preflight",
+        "--world-size",
+        str(nproc),
+        "--job.config_file",
+        str(Path(config_file).resolve()),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     if proc.returncode == 0:
         return None
     lines = proc.stdout.strip().splitlines() or [f"preflight failed (rc {proc.returncode})"]
@@ -157,8 +195,8 @@ def read_tb_losses(tb_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
     losses = read_scalars(tb_dir, tag)
     if not losses:
         raise LossCompareError(
-            f"{tb_dir}: no {tag!r} scalars "
-            "(was the run started with --metrics.enable_tensorboard?)")
+            f"{tb_dir}: no {tag!r} scalars (was the run started with --metrics.enable_tensorboard?)"
+        )
     return losses
 
 
@@ -202,8 +240,7 @@ def read_golden(path: str | Path) -> dict[int, float]:
                 raise ValueError
             step, loss = int(parts[0]), float(parts[1])
         except ValueError:
-            raise LossCompareError(
-                f"{path}:{lineno}: expected 'STEP LOSS', got {line!r}") from None
+            raise LossCompareError(f"{path}:{lineno}: expected 'STEP LOSS', got {line!r}") from None
         if step in losses:
             raise LossCompareError(f"{path}:{lineno}: step {step} appears twice")
         losses[step] = loss
@@ -237,8 +274,10 @@ class Mismatch(NamedTuple):
         if self.baseline is None or self.test is None:
             side = "baseline" if self.baseline is None else "test"
             return f"step {self.step}: missing in {side}"
-        return (f"step {self.step}: test {self.test!r} vs baseline {self.baseline!r}, "
-                f"rel diff {rel_diff(self.baseline, self.test):.3g} > rtol {rtol:g}")
+        return (
+            f"step {self.step}: test {self.test!r} vs baseline {self.baseline!r}, "
+            f"rel diff {rel_diff(self.baseline, self.test):.3g} > rtol {rtol:g}"
+        )
 
 
 def rel_diff(baseline: float, test: float) -> float:
@@ -261,18 +300,23 @@ def compare(baseline: dict[int, float], test: dict[int, float], rtol: float) -> 
     return bad
 
 
-def assert_losses_close(actual: dict[int, float], expected: dict[int, float], rtol: float,
-                        what: str = "losses") -> None:
+def assert_losses_close(
+    actual: dict[int, float], expected: dict[int, float], rtol: float, what: str = "losses"
+) -> None:
     """Raise AssertionError naming the first step where `actual` strays from `expected`."""
     bad = compare(expected, actual, rtol)
     if bad:
         raise AssertionError(
             f"{what}: {len(bad)} of {len(set(expected) | set(actual))} steps differ; first "
-            f"{bad[0].describe(rtol)}\n{format_table(expected, actual, ('expected', 'actual'))}")
+            f"{bad[0].describe(rtol)}\n{format_table(expected, actual, ('expected', 'actual'))}"
+        )
 
 
-def format_table(baseline: dict[int, float], test: dict[int, float] | None = None,
-                 names: tuple[str, str] = ("baseline", "test")) -> str:
+def format_table(
+    baseline: dict[int, float],
+    test: dict[int, float] | None = None,
+    names: tuple[str, str] = ("baseline", "test"),
+) -> str:
     """Aligned text table: step | baseline | test | rel diff (only baseline without test)."""
     header = ["step", names[0]] + ([names[1], "rel diff"] if test is not None else [])
     rows = [header]
@@ -291,8 +335,7 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.6f}"
 
 
-def plot_losses(path: str | Path, curves: dict[str, dict[int, float]],
-                title: str = "loss") -> None:
+def plot_losses(path: str | Path, curves: dict[str, dict[int, float]], title: str = "loss") -> None:
     """Save one line per {label: {step: loss}} to `path` (format from its extension)."""
     import matplotlib
 

@@ -42,8 +42,12 @@ def write_report(exc: BaseException, rank: int, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     details = folder / f"error_rank{rank}.log"
     details.write_text("".join(traceback.format_exception(exc)))
-    report = {"rank": rank, "time": time.time(), "user_error": isinstance(exc, UserInputError),
-              "line": describe(exc, rank, details)}
+    report = {
+        "rank": rank,
+        "time": time.time(),
+        "user_error": isinstance(exc, UserInputError),
+        "line": describe(exc, rank, details),
+    }
     tmp = folder / f".error_rank{rank}.json.tmp"
     tmp.write_text(json.dumps(report))
     tmp.rename(folder / f"error_rank{rank}.json")

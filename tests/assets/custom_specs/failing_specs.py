@@ -21,7 +21,10 @@ def _failing(error: Exception):
     return parallelize
 
 
-for name, error in (("fails_on_rank1", RuntimeError("boom on rank 1")),
-                    ("refuses_on_rank1", UserInputError("--model.flavor: rank 1 refuses it"))):
-    register_train_spec(dataclasses.replace(get_train_spec(), name=name,
-                                            parallelize_fn=_failing(error)))
+for name, error in (
+    ("fails_on_rank1", RuntimeError("boom on rank 1")),
+    ("refuses_on_rank1", UserInputError("--model.flavor: rank 1 refuses it")),
+):
+    register_train_spec(
+        dataclasses.replace(get_train_spec(), name=name, parallelize_fn=_failing(error))
+    )

@@ -12,5 +12,9 @@ from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 def get_train_spec():
     # The planner places uneven shards, so any mesh is accepted (no check_parallelism_fn).
-    return dataclasses.replace(_llama3_spec(), name="llama3_auto_parallel",
-                               parallelize_fn=parallelize_llama_auto, check_parallelism_fn=None)
+    return dataclasses.replace(
+        _llama3_spec(),
+        name="llama3_auto_parallel",
+        parallelize_fn=parallelize_llama_auto,
+        check_parallelism_fn=None,
+    )

@@ -8,11 +8,16 @@ and DCP checkpoints (under Hugging Face's parameter names) are the llama3 spec's
 import dataclasses
 
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_hf_auto
-from torchtitan.models.hf_causal_lm import build_hf_causal_lm, HFConfigFlavors
+from torchtitan.models.hf_causal_lm import HFConfigFlavors, build_hf_causal_lm
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 
 def get_train_spec():
     return dataclasses.replace(
-        _llama3_spec(), name="hf_auto_parallel", parallelize_fn=parallelize_hf_auto,
-        check_parallelism_fn=None, model_cls=build_hf_causal_lm, flavors=HFConfigFlavors())
+        _llama3_spec(),
+        name="hf_auto_parallel",
+        parallelize_fn=parallelize_hf_auto,
+        check_parallelism_fn=None,
+        model_cls=build_hf_causal_lm,
+        flavors=HFConfigFlavors(),
+    )

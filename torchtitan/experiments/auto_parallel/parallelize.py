@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -32,8 +31,8 @@ from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
 from torchtitan.autoparallel.api import on_rank0
 from torchtitan.autoparallel.plan import graph_fingerprint
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
-from torchtitan.distributed.utils import device_type, resolve_param_dtype, TORCH_DTYPES
 from torchtitan.tools.logging import logger
 
 
@@ -48,16 +47,23 @@ def _cost_model_name() -> str:
     return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
 
 
-def parallelize_llama_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+def parallelize_llama_auto(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any
+) -> nn.Module:
     return parallelize_auto(model, parallel_dims, job_config, model.tok_embeddings.num_embeddings)
 
 
-def parallelize_hf_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
-    return parallelize_auto(model, parallel_dims, job_config, model.get_input_embeddings().num_embeddings)
+def parallelize_hf_auto(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any
+) -> nn.Module:
+    return parallelize_auto(
+        model, parallel_dims, job_config, model.get_input_embeddings().num_embeddings
+    )
 
 
-def parallelize_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
-                     vocab_size: int) -> nn.Module:
+def parallelize_auto(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
+) -> nn.Module:
     """Plan and apply `model` (token ids of `vocab_size` in, logits out) on the job's mesh."""
     try:
         return _parallelize(model, parallel_dims, job_config, vocab_size)
@@ -65,8 +71,9 @@ def parallelize_auto(model: nn.Module, parallel_dims: ParallelDims, job_config: 
         raise UserInputError(f"auto-parallel planner: {e}") from None
 
 
-def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
-                 vocab_size: int) -> nn.Module:
+def _parallelize(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
+) -> nn.Module:
     training = job_config.training
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names)
@@ -84,15 +91,23 @@ def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
     outputs = _batch_placements(names, Shard(2) if loss_parallel else Replicate())
 
     start = time.perf_counter()
-    with AutoParallel(model, input_fn, mesh, mp_policy=mp_policy, cost_model=_cost_model_name(),
-                      reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward) as autop:
+    with AutoParallel(
+        model,
+        input_fn,
+        mesh,
+        mp_policy=mp_policy,
+        cost_model=_cost_model_name(),
+        reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+    ) as autop:
         autop.add_parameter_memory_constraint(low=None, high=None)
         autop.add_input_constraints([inputs])
         autop.add_output_constraints([outputs])
         key = _plan_key(autop, names, inputs, outputs, mp_policy)
         plan = _plan_on_rank0(autop, Path(job_config.job.dump_folder) / "plans" / f"{key}.json")
         parallel_model = autop.apply_placement(plan)
-    logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}")
+    logger.info(
+        f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}"
+    )
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms
@@ -112,14 +127,18 @@ def _parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: Any,
 
 
 def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
-    blob = json.dumps({
-        "graph": graph_fingerprint(autop.tg.gm),
-        "mesh": [list(autop.mesh.shape), list(names)],
-        "inputs": [str(p) for p in inputs], "outputs": [str(p) for p in outputs],
-        "precision": [str(mp_policy.param_dtype), str(mp_policy.reduce_dtype)],
-        "cost_model": repr(autop.cost_model),
-        "torch": torch.__version__,
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "graph": graph_fingerprint(autop.tg.gm),
+            "mesh": [list(autop.mesh.shape), list(names)],
+            "inputs": [str(p) for p in inputs],
+            "outputs": [str(p) for p in outputs],
+            "precision": [str(mp_policy.param_dtype), str(mp_policy.reduce_dtype)],
+            "cost_model": repr(autop.cost_model),
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -131,8 +150,9 @@ def _usable_cached_plan(autop: AutoParallel, cache: Path) -> str | None:
     try:
         text = cache.read_text()
         shapes = {fqn: tuple(p.shape) for fqn, p in autop.model.named_parameters()}
-        Plan.from_json(text).check_applicable(shapes, list(autop.mesh.shape),
-                                              list(autop.mesh.mesh_dim_names))
+        Plan.from_json(text).check_applicable(
+            shapes, list(autop.mesh.shape), list(autop.mesh.mesh_dim_names)
+        )
     except (OSError, UnicodeDecodeError, PlannerError) as e:
         logger.warning(f"cached plan {cache} is unusable ({e}); planning again and replacing it")
         return None
@@ -166,8 +186,10 @@ def summarize(plan: Plan) -> str:
     width = max((len(p) for p, _ in groups), default=0)
     dims = ",".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
     lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
-    lines += [f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
-              for (p, pl), n in groups.items()]
+    lines += [
+        f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
+        for (p, pl), n in groups.items()
+    ]
     pred = plan.predicted
     lines.append(
         f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "

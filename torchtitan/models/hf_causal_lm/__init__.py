@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator, Mapping
 
-from torchtitan.models.hf_causal_lm.model import build_hf_causal_lm, config_file, HFModelArgs
+from torchtitan.models.hf_causal_lm.model import HFModelArgs, build_hf_causal_lm, config_file
 
 __all__ = ["HFConfigFlavors", "HFModelArgs", "build_hf_causal_lm"]
 

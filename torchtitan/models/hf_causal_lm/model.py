@@ -60,7 +60,9 @@ class HFModelArgs(BaseModelArgs):
         transformers = import_transformers()
         path = config_file(self.config_path)
         try:
-            config = transformers.AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(
+                str(path.parent), local_files_only=True
+            )
         except (ValueError, OSError, json.JSONDecodeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserInputError(f"--model.flavor: cannot read {path}: {first}") from None
@@ -101,8 +103,11 @@ def _logits_class(cls: type) -> type:
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return cls.forward(self, input_ids=input_ids).logits
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                        "__doc__": cls.__doc__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__},
+    )
 
 
 def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:

@@ -63,23 +63,31 @@ class TransformerModelArgs(BaseModelArgs):
 
 
 llama3_configs: dict[str, TransformerModelArgs] = {
-    "debugmodel": TransformerModelArgs(
-        dim=256, n_layers=6, n_heads=16, rope_theta=500_000.0
-    ),
+    "debugmodel": TransformerModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500_000.0),
     # where compute weighs more than per-op overhead on CPU (benchmarks/auto_vs_manual.py)
-    "debugmodel_large": TransformerModelArgs(
-        dim=512, n_layers=8, n_heads=16, rope_theta=500_000.0
-    ),
+    "debugmodel_large": TransformerModelArgs(dim=512, n_layers=8, n_heads=16, rope_theta=500_000.0),
     "8B": TransformerModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-        ffn_dim_multiplier=1.3, multiple_of=1024,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
     ),
     "70B": TransformerModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-        ffn_dim_multiplier=1.3, multiple_of=4096,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
     ),
     "405B": TransformerModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-        ffn_dim_multiplier=1.2, multiple_of=4096,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
     ),
 }

@@ -153,4 +153,3 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope_cache)
         return self.output(self.norm(h))
-

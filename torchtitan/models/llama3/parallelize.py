@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed._composable.replicate import replicate
-from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    parallelize_module,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -34,12 +33,21 @@ def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_co
     the tp degree divides heads, kv-heads, dim, the SwiGLU width, the vocabulary (when the
     loss is vocabulary-parallel) and the sequence (sequence parallelism); DDP is not
     combined with TP."""
-    sizes = {"n_heads": model_args.n_heads, "n_kv_heads": model_args.n_kv_heads or model_args.n_heads,
-             "dim": model_args.dim, "ffn_hidden_dim": model_args.ffn_hidden_dim,
-             "vocab_size": model_args.vocab_size}
-    parallel_dims.check_tensor_parallel_sizes(sizes, job_config.training.seq_len,
-                                              f"llama3 {job_config.model.flavor}")
-    if parallel_dims.tp_enabled and parallel_dims.dp_replicate_enabled and not parallel_dims.dp_shard_enabled:
+    sizes = {
+        "n_heads": model_args.n_heads,
+        "n_kv_heads": model_args.n_kv_heads or model_args.n_heads,
+        "dim": model_args.dim,
+        "ffn_hidden_dim": model_args.ffn_hidden_dim,
+        "vocab_size": model_args.vocab_size,
+    }
+    parallel_dims.check_tensor_parallel_sizes(
+        sizes, job_config.training.seq_len, f"llama3 {job_config.model.flavor}"
+    )
+    if (
+        parallel_dims.tp_enabled
+        and parallel_dims.dp_replicate_enabled
+        and not parallel_dims.dp_shard_enabled
+    ):
         raise UserInputError(
             "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) "
             "cannot be combined with tensor parallelism; use HSDP "
@@ -69,8 +77,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             job_config.parallelism.fsdp_reshard_after_forward,
         )
     elif parallel_dims.dp_replicate_enabled:
-        replicate(model, device_mesh=parallel_dims.world_mesh["dp_replicate"],
-                  bucket_cap_mb=100)
+        replicate(model, device_mesh=parallel_dims.world_mesh["dp_replicate"], bucket_cap_mb=100)
         logger.info("applied DDP to the model")
     return model
 
@@ -121,40 +128,52 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
     see `_redistribute_output_sync`.  Inside the blocks the async ones are fine (the
     compiled graph traces them).
     """
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": _SyncOutputRowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1)
-        ),
-        "norm": SequenceParallel(),
-        "output": _SyncOutputColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": _SyncOutputRowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1)
+            ),
+            "norm": SequenceParallel(),
+            "output": _SyncOutputColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
     logger.info(f"applied tensor + sequence parallelism (loss parallel: {loss_parallel})")
 
 
-def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, mp_policy: MixedPrecisionPolicy,
-               reshard_after_forward_policy: str) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward_policy: str,
+) -> None:
     """FSDP2 per transformer block, then the root (embeddings, final norm, output).
 
     With a replicate degree > 1 the mesh is 2-D (replicate, shard): HSDP.
@@ -170,7 +189,13 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, mp_policy: MixedPr
         else:
             reshard = reshard_after_forward_policy == "always"
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy,
-                reshard_after_forward=reshard_after_forward_policy == "always")
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward_policy == "always",
+    )
     kind = "HSDP" if len(names) > 1 else "FSDP"
-    logger.info(f"applied {kind} (param dtype {mp_policy.param_dtype}, reduce {mp_policy.reduce_dtype})")
+    logger.info(
+        f"applied {kind} (param dtype {mp_policy.param_dtype}, reduce {mp_policy.reduce_dtype})"
+    )
