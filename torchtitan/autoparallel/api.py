@@ -14,7 +14,6 @@ JSON) and returns the parallel module.  Stage timings are logged and stored in `
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from .buckets import fsdp_units, regathered_params
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
+from .expand import expand_plan
 from .memory import param_chains, plan_memory
 from .plan import Plan, graph_fingerprint
 from .solver import PlacementSolver, UserConstraint, prune_unreachable
@@ -560,12 +560,3 @@ class AutoParallel:
         plan.timings["apply"] = self.timings["apply"]
         log.info("apply in %.2fs", self.timings["apply"])
         return pm
-
-
-def expand_plan(plan: Plan, full_tg) -> Plan:
-    """The plan of a shallow trace, re-keyed by the nodes of the whole model's graph."""
-    blocks = [repeat.RepeatedBlocks.from_json(b) for b in plan.blocks]
-    nodes = repeat.expand_nodes(plan.nodes, full_tg.gm, full_tg.labels, blocks)
-    return dataclasses.replace(
-        plan, nodes=nodes, blocks=[], graph_fingerprint=graph_fingerprint(full_tg.gm)
-    )

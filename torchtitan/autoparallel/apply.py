@@ -36,8 +36,9 @@ from torch.utils import _pytree as pytree
 
 from . import placements as P
 from .errors import PlannerError
+from .graph_nodes import is_getitem
 from .plan import Plan, graph_fingerprint
-from .trace import TracedGraph, is_getitem
+from .trace import TracedGraph
 
 
 class _ScaleGrad(torch.autograd.Function):

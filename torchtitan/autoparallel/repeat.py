@@ -18,23 +18,20 @@ the label of the node before it in graph order: glue the parent runs between blo
 residual add around each block), gradient accumulations, the head and loss after the last
 block.  Both graphs are labelled by the same rule, so the glue after block i weighs what block
 i weighs, and the head and loss belong to the last block (weight 1).  To run the plan,
-`expand_plan` maps the full model's graph onto it: the k-th node of full block i reads the k-th
-node of the block that represents i, unlabelled nodes map in order, and every pair must be the
-same op with the same output shapes — a model whose blocks differ at run time (e.g. a forward
-that branches on the layer index) is reported, not silently mis-planned.
+`expand.expand_plan` maps the full model's graph onto it: the k-th node of full block i
+reads the k-th node of the block that represents i, unlabelled nodes map in order, and every
+pair must be the same op with the same output shapes — a model whose blocks differ at run
+time (e.g. a forward that branches on the layer index) is reported, not silently mis-planned.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch.fx as fx
 import torch.nn as nn
-
-from .errors import PlannerError
 
 MIN_BLOCKS = 4  # with 3 or fewer blocks there is nothing to save
 LABEL_KEY = "autoparallel_block"
@@ -132,14 +129,6 @@ def block_labels(model: nn.Module, containers: list[str]) -> list[tuple[nn.Modul
     ]
 
 
-def is_placed(node: fx.Node) -> bool:
-    """Nodes the solver places (plan entries): tensor-valued call_functions, no getitem."""
-    from .strategies import _out_metas
-    from .trace import is_getitem
-
-    return node.op == "call_function" and not is_getitem(node) and _out_metas(node) is not None
-
-
 def read_labels(
     gm: fx.GraphModule,
     param_fqns: dict[fx.Node, str],
@@ -193,52 +182,3 @@ def reduced_fqn(fqn: str, blocks: list[RepeatedBlocks]) -> str:
             j = b.representative(b.keys.index(key))
             return f"{b.prefix()}{b.reduced_key(j)}.{rest}"
     return fqn
-
-
-def expand_nodes(
-    plan_nodes: dict[str, dict],
-    full_gm: fx.GraphModule,
-    full_labels: dict[fx.Node, str],
-    blocks: list[RepeatedBlocks],
-) -> dict[str, dict]:
-    """Per-node plan entries for the full graph, read off the shallow plan (module docstring)."""
-    by_name = {b.container: b for b in blocks}
-    classes: dict[str | None, list[str]] = defaultdict(list)
-    for name, entry in plan_nodes.items():
-        classes[entry.get("block")].append(name)
-
-    def rep_label(lab: str | None) -> str | None:
-        if lab is None:
-            return None
-        cname, _, i = lab.rpartition("#")
-        return f"{cname}#{by_name[cname].representative(int(i))}"
-
-    count: dict[str | None, int] = defaultdict(int)
-    out: dict[str, dict] = {}
-    for n in full_gm.graph.nodes:
-        if not is_placed(n):
-            continue
-        lab = full_labels.get(n)
-        k = count[lab]
-        count[lab] += 1
-        names = classes.get(rep_label(lab), [])
-        if k >= len(names) or plan_nodes[names[k]]["op"] != str(n.target):
-            where = f"block '{lab}'" if lab else "outside the repeated blocks"
-            theirs = plan_nodes[names[k]]["op"] if k < len(names) else "nothing"
-            raise PlannerError(
-                f"the model's repeated blocks do not trace identically: node {k} {where} is "
-                f"{n.target} ('{n.name}') in the full model but {theirs} in the planned copy; "
-                "plan with share_repeated=False"
-            )
-        entry = dict(plan_nodes[names[k]])
-        entry.pop("block", None)
-        out[n.name] = entry
-    for lab, k in count.items():
-        if k != len(classes.get(rep_label(lab), [])):
-            raise PlannerError(
-                f"the model's repeated blocks do not trace identically: {k} nodes in "
-                f"{lab or 'the rest of the graph'} of the full model, "
-                f"{len(classes.get(rep_label(lab), []))} in the planned copy; "
-                "plan with share_repeated=False"
-            )
-    return out

@@ -38,7 +38,7 @@ from . import placements as P
 from .cost import INF, Estimator
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
 from .memory import copy_fraction, memory_terms, param_chains, term_fraction
-from .strategies import StrategyTable
+from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class PlacementSolver:
             for g in self.tg.grads.values():
                 if g is None:
                     continue
-                node = _resolve(g)[0]
+                node = resolve_source(g)[0]
                 while (
                     node in self.table.nodes
                     and len(self.table.nodes[node].sources) == 1
@@ -462,7 +462,7 @@ class PlacementSolver:
         # sinks: forward outputs (tied to tangents) and parameter gradients (tied to params)
         sink_vars: dict[int, dict[P.Placements, int]] = {}
         for i, out in enumerate(tg.outputs):
-            src = _resolve(out)
+            src = resolve_source(out)
             val = _source_val(src)
             opts = P.all_placements(val.shape, self.mesh_shape)
             w = {pl: m.var(0.0) for pl in opts}
@@ -477,7 +477,7 @@ class PlacementSolver:
         for fqn, g in tg.grads.items():
             if g is None:
                 continue
-            src = _resolve(g)
+            src = resolve_source(g)
             grad_groups[(rep[tg.params[fqn]], rep.get(src[0], src[0]), src[1])].append(fqn)
         for (pnode, gnode, gidx), fqns in grad_groups.items():
             src = (gnode, gidx)
@@ -739,12 +739,6 @@ def _finite(o: P.Placements, r: P.Placements) -> bool:
     """Whether the cost model allows o -> r at all (shape-independent: only Partial targets
     fail)."""
     return all(a == b or not b.is_partial() for a, b in zip(o, r))
-
-
-def _resolve(node: fx.Node):
-    from .strategies import resolve_source
-
-    return resolve_source(node)
 
 
 def _source_val(src) -> torch.Tensor:

@@ -41,7 +41,8 @@ from torch.distributed.tensor.placement_types import Shard
 from . import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
 from . import placements as P
 from .errors import UnsupportedOpError
-from .trace import TracedGraph, is_getitem
+from .graph_nodes import is_getitem, out_metas, tensor_meta
+from .trace import TracedGraph
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,6 @@ def resolve_source(node: fx.Node) -> Source:
     return (node, 0)
 
 
-def tensor_meta(val: torch.Tensor) -> TensorMeta:
-    return TensorMeta(val.shape, val.stride(), val.dtype)
-
-
 def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued fx.Node inputs in flattened (args, then kwargs) order."""
     out: list[fx.Node] = []
@@ -105,15 +102,6 @@ def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
     for a in node.kwargs.values():
         visit(a)
     return out
-
-
-def _out_metas(node: fx.Node) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return tensor_meta(v)
-    if isinstance(v, (list, tuple)):
-        return tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else None for x in v)
-    return None
 
 
 class StrategyBuilder:
@@ -174,7 +162,7 @@ class StrategyBuilder:
             elif node.op == "call_function":
                 if is_getitem(node):
                     continue
-                if _out_metas(node) is None:
+                if out_metas(node) is None:
                     continue  # non-tensor result (e.g. a symint); nothing to place
                 self.table.nodes[node] = self._node_strategies(node)
         return self.table
@@ -183,7 +171,7 @@ class StrategyBuilder:
         inputs = _tensor_input_nodes(node)
         sources = [resolve_source(n) for n in inputs]
         op = node.target
-        out_meta = _out_metas(node)
+        out_meta = out_metas(node)
         n_out = len(out_meta) if isinstance(out_meta, tuple) else 1
         if not inputs:
             # factories / arange / scalar_tensor: computed identically on every rank
@@ -255,7 +243,7 @@ class StrategyBuilder:
 
     def _query(self, node, inputs, cand_lists, n_out) -> list[Strategy]:
         op = node.target
-        out_meta = _out_metas(node)
+        out_meta = out_metas(node)
         single = self.prop.op_single_dim_strategy_funcs.get(op)
         classic = self.prop.op_strategy_funcs.get(op)
         if single is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from . import repeat
 from .attention import route_attention
 from .errors import PlannerError
 
@@ -143,7 +143,6 @@ def trace_joint(
     `blocks` (from `repeat.find_repeated_blocks`) labels the nodes of each repeated block;
     with `shallow=True` only the first, second and last block of each stack are traced and
     nodes are weighted by the number of blocks they stand for (see repeat.py)."""
-    from . import repeat
 
     check_on_meta(model)
     blocks = list(blocks or [])
@@ -355,7 +354,3 @@ def forward_nodes(tg: TracedGraph) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,37 @@
+"""What a node of a traced graph is: the small questions every planner stage asks.
+
+A leaf module (torch only), so that tracing, strategies, block labelling, plan expansion
+and the runner can share these without importing each other.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def tensor_meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def out_metas(node: fx.Node) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
+    """The node's output shape/stride/dtype: one, a tuple (None for non-tensor items), or
+    None when it outputs no tensor."""
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return tensor_meta(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else None for x in v)
+    return None
+
+
+def is_placed(node: fx.Node) -> bool:
+    """Nodes the solver places (plan entries): tensor-valued call_functions, no getitem."""
+    return node.op == "call_function" and not is_getitem(node) and out_metas(node) is not None
