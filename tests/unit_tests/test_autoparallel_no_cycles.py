@@ -11,10 +11,8 @@ import gc
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -22,10 +20,9 @@ from torchtitan.models.llama3.model import Transformer
 
 
 @pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
+def one_rank_mesh(fake_world):
+    with fake_world(1):
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
 
 
 def test_step_leaves_no_tensor_cycles(one_rank_mesh):

@@ -12,12 +12,10 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration_tests"))
 from autoparallel_models import GPT2Block, MLPStack  # noqa: E402
@@ -37,11 +35,8 @@ from torchtitan.autoparallel import (  # noqa: E402
 WORLD = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_pg():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield
-    dist.destroy_process_group()  # later test modules expect no process group
+FAKE_WORLD_SIZE = WORLD
+pytestmark = pytest.mark.usefixtures("module_fake_world")
 
 
 class Block(nn.Module):

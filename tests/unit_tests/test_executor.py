@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
 from autoparallel_models import MLPStack, TiedLM  # noqa: E402
@@ -25,10 +23,9 @@ from torchtitan.autoparallel.lower import param_side  # noqa: E402
 
 
 @pytest.fixture
-def dp4():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
+def dp4(fake_world):
+    with fake_world(4):
+        yield init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
 
 
 def lowered(mesh, model_fn, example, fsdp=False, **kw):

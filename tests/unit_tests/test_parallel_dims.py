@@ -1,8 +1,6 @@
 """ParallelDims validation messages and mesh layout (fake process group, one process)."""
 
 import pytest
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismConfigError
 
@@ -26,13 +24,12 @@ def test_bad_degree_named():
 
 
 @pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
+def world8(fake_world):
+    with fake_world(8):
+        yield
 
 
-def test_mesh_has_only_dims_above_one_and_flattened_dp(fake_world):
+def test_mesh_has_only_dims_above_one_and_flattened_dp(world8):
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8)
     mesh = dims.build_mesh("cpu")
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")

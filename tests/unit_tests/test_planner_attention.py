@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.autoparallel import AutoParallel, CostModel
 from torchtitan.autoparallel.attention import sdpa, softmax_attention_backward
 from torchtitan.autoparallel.cost import Estimator
 from torchtitan.autoparallel.trace import trace_joint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_pg():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("module_fake_world")  # world size 4
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ the full-depth model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -20,10 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.models.llama3.args import llama3_configs
@@ -32,17 +29,6 @@ from torchtitan.models.llama3.model import Transformer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import plan as plan_script  # noqa: E402
-
-
-@contextlib.contextmanager
-def fake_world(n: int):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _llama(flavor: str, **over):
@@ -153,7 +139,7 @@ def test_plan_script_small_mesh(tmp_path):
 
 # ------------------------------------------------------------------ clustering is exact
 @pytest.mark.parametrize("layers", [2, 4])
-def test_clustered_equals_unclustered(layers):
+def test_clustered_equals_unclustered(layers, fake_world):
     """Sharing variables between repeated layers loses nothing on a model whose layers are
     identical: same objective (within 0.1%) with and without clustering.  With 2 layers the
     whole graph is traced and identical nodes share variables (cluster.py); with 4 the plan
@@ -178,7 +164,7 @@ def _leaf(fqn):
     return fqn.split(".")[-2]
 
 
-def test_llama3_8b_on_8_ranks_is_fsdp():
+def test_llama3_8b_on_8_ranks_is_fsdp(fake_world):
     """Llama3-8B (n_layers=2 of the 8B flavor, see module docstring), 8 H100s in one node,
     1-D mesh, FSDP-level parameter memory: every parameter sharded on the only mesh dim and
     every linear consumes its weight gathered (no TP-style activation communication), because
@@ -210,7 +196,7 @@ def _matmul_weights(autop, plan) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("seq", [2048, 8192])
-def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp(seq):
+def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp(seq, fake_world):
     """Llama3-70B (n_layers=2 of the 70B flavor), mesh (dp=4 nodes, tp=8 GPUs per node), FSDP-
     level parameter memory, one sequence per dp rank.  Both lengths: every layer matrix is stored
     split on tp (tensor parallel inside the node) and on dp, the MLP is Megatron (w1/w3 split by
