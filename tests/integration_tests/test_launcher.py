@@ -187,3 +187,23 @@ def test_help_is_printed_once_and_starts_no_rank(tmp_path):
     assert proc.stdout.count("usage:") == 1 and "--comm.train_timeout_seconds" in proc.stdout
     assert "[rank" not in proc.stdout + proc.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_planner_settings_come_from_the_autoparallel_section(tmp_path):
+    section = (
+        "--model.name",
+        "llama3_auto_parallel",
+        "--training.steps",
+        "1",
+        "--job.custom_config_module",
+        "torchtitan.experiments.auto_parallel.job_config",
+    )
+    uncached = _launch(tmp_path / "uncached", *section, "--autoparallel.no_plan_cache")
+    assert uncached.returncode == 0, uncached.stderr[-3000:]
+    assert not (tmp_path / "uncached" / "plans").exists()
+    tight = _launch(tmp_path / "tight", *section, "--autoparallel.memory_budget_gib", "0.0001")
+    assert tight.returncode == 2
+    assert _error_lines(tight) == [
+        "error: auto-parallel planner: constraints cannot all hold: "
+        "memory budget 0.000 GiB per rank"
+    ]

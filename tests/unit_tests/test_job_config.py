@@ -285,3 +285,68 @@ def test_custom_root_dataclass(tmp_path, capsys):
         .extra.mode
         == "fast"
     )
+
+
+AP_CONFIG = "torchtitan.experiments.auto_parallel.job_config"
+
+
+def test_custom_config_module_adds_its_section_from_cli_or_toml(tmp_path, capsys):
+    cfg = parse("--job.custom_config_module", AP_CONFIG, "--autoparallel.memory_budget_gib", "12")
+    assert cfg.autoparallel.memory_budget_gib == 12.0 and cfg.autoparallel.cost_model == "auto"
+    assert cfg.training.steps == JobConfig().training.steps  # the core sections stay
+    path = tmp_path / "ap.toml"
+    path.write_text(
+        f'[job]\ncustom_config_module = "{AP_CONFIG}"\n[autoparallel]\nplan_cache = false\n'
+    )
+    cfg = parse("--job.config_file", str(path), "--autoparallel.cost_model", "h100")
+    assert cfg.autoparallel.plan_cache is False and cfg.autoparallel.cost_model == "h100"
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert parse("--job.config_file", str(again)).autoparallel == cfg.autoparallel
+    with pytest.raises(SystemExit):
+        parse("--job.custom_config_module", AP_CONFIG, "--help")
+    assert "--autoparallel.solver_time_limit_seconds FLOAT  (default: 300.0)" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (
+            ["--autoparallel.cost_model", "h100"],
+            r"unknown section 'autoparallel'; .*needs --job\.custom_config_module",
+        ),
+        (
+            ["--job.custom_config_module", "no.such.module"],
+            r"^--job\.custom_config_module: cannot import 'no\.such\.module'",
+        ),
+        (
+            ["--job.custom_config_module", "torchtitan.config.job_config"],
+            r"torchtitan\.config\.job_config\.JobConfig redefines section 'activation_checkpoint'",
+        ),
+    ],
+)
+def test_custom_config_module_errors(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse(*argv)
+
+
+def test_an_experiment_section_validates_itself():
+    from torchtitan.config.validate import validate_job_config
+
+    for option, value, pattern in [
+        ("cost_model", "tpu9", r"unknown device 'tpu9'; choose auto or one of .*h100"),
+        ("memory_budget_gib", "0", r"memory_budget_gib: must be a positive number, got 0\.0"),
+        ("solver_time_limit_seconds", "nan", r"must be a positive number, got nan"),
+    ]:
+        cfg = parse(
+            "--job.custom_config_module",
+            AP_CONFIG,
+            f"--autoparallel.{option}",
+            value,
+            "--lr_scheduler.warmup_steps",
+            "2",
+        )
+        with pytest.raises(ConfigError, match=pattern):
+            validate_job_config(cfg)

@@ -23,6 +23,10 @@ class Job:
     description: str = "torchtitan training job"
     """Free-form description, printed at start-up."""
 
+    custom_config_module: str = ""
+    """Module whose `JobConfig` dataclass adds sections of an experiment's own, e.g.
+    torchtitan.experiments.auto_parallel.job_config for the planner's [autoparallel]."""
+
     print_config: bool = False
     """Print the fully resolved config (as TOML) when the trainer starts."""
 

@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 import sys
 import textwrap
@@ -33,6 +34,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserInputError
 
 CONFIG_FILE_KEY = ("job", "config_file")
+CUSTOM_CONFIG_KEY = ("job", "custom_config_module")
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -153,6 +155,8 @@ def _unknown(cls: type, parents: list[str], name: str, where: str) -> ConfigErro
     )
     close = difflib.get_close_matches(name.replace("-", "_"), names, n=1)
     hint = f"did you mean {close[0]!r}?" if close else "allowed: " + ", ".join(names)
+    if not parents:
+        hint += " (an experiment's own section needs --job.custom_config_module)"
     return ConfigError(f"{where}: {what}; {hint}")
 
 
@@ -168,19 +172,57 @@ def _type_label(tp: Any) -> str:
     return label + "|none" if optional else label
 
 
-def _scan_config_file(argv: list[str]) -> str | None:
-    """Find `--job.config_file X` / `--job.config-file=X` (last one wins) before full parsing."""
+def _scan_option(argv: list[str], key: tuple[str, str], what: str) -> str | None:
+    """Find `--job.config_file X` / `--job.config-file=X` (or another `key`) before full
+    parsing; the last one wins ('none' is None)."""
     path = None
     for i, tok in enumerate(argv):
         name, eq, value = tok.partition("=")
-        if name.replace("-", "_") != "__" + ".".join(CONFIG_FILE_KEY):
+        if name.replace("-", "_") != "__" + ".".join(key):
             continue
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"{name}: missing value (expected a path to a TOML file)")
+                raise ConfigError(f"{name}: missing value (expected a {what})")
             value = argv[i + 1]
         path = None if value.lower() == "none" else value
     return path
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--job.config_file: TOML file not found: {path!r}") from None
+    except OSError as e:
+        raise ConfigError(f"--job.config_file: cannot read {path!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e).replace("\n", " ")
+        raise ConfigError(f"{path}: not a valid TOML file: {msg}") from None
+
+
+def extend_config_class(base: type, module_name: str) -> type:
+    """`base` plus the sections of the `JobConfig` dataclass in module `module_name` (an
+    experiment's own options, e.g. the planner's `[autoparallel]`); its sections must be
+    new, not redefine `base`'s."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"--job.custom_config_module: cannot import {module_name!r} ({e}); give a module "
+            "importable from the working directory or PYTHONPATH"
+        ) from None
+    extra = getattr(module, "JobConfig", None)
+    if not (isinstance(extra, type) and dataclasses.is_dataclass(extra)):
+        raise ConfigError(
+            f"--job.custom_config_module: {module_name} defines no JobConfig dataclass"
+        )
+    clash = sorted(set(_fields(extra)) & set(_fields(base)))
+    if clash:
+        raise ConfigError(
+            f"--job.custom_config_module: {module_name}.JobConfig redefines section {clash[0]!r}"
+        )
+    return dataclasses.make_dataclass(base.__name__, [], bases=(extra, base))
 
 
 class ConfigManager:
@@ -192,10 +234,18 @@ class ConfigManager:
     def parse_args(self, argv: list[str] | None = None) -> Any:
         """Return defaults < TOML (`--job.config_file`) < CLI. `-h/--help` prints help, exits 0."""
         argv = list(sys.argv[1:] if argv is None else argv)
-        config = self.config_cls()
-        path = _scan_config_file(argv)
+        path = _scan_option(argv, CONFIG_FILE_KEY, "path to a TOML file")
+        table = _read_toml(path) if path is not None else {}
+        job_table = table.get("job") if isinstance(table.get("job"), dict) else {}
+        module = _scan_option(argv, CUSTOM_CONFIG_KEY, "module name") or job_table.get(
+            CUSTOM_CONFIG_KEY[1]
+        )
+        cls = self.config_cls
+        if isinstance(module, str) and module:
+            cls = extend_config_class(cls, module)
+        config = cls()
         if path is not None:
-            self.load_toml(config, path)
+            self._apply_table(config, table, [], path)
         if "-h" in argv or "--help" in argv:
             print(self.help_text(config))
             sys.exit(0)
@@ -204,17 +254,7 @@ class ConfigManager:
 
     def load_toml(self, config: Any, path: str) -> None:
         """Apply the settings of TOML file `path` onto `config` in place."""
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"--job.config_file: TOML file not found: {path!r}") from None
-        except OSError as e:
-            raise ConfigError(f"--job.config_file: cannot read {path!r}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            msg = str(e).replace("\n", " ")
-            raise ConfigError(f"{path}: not a valid TOML file: {msg}") from None
-        self._apply_table(config, data, [], path)
+        self._apply_table(config, _read_toml(path), [], path)
 
     def _apply_table(self, obj: Any, table: dict, parents: list[str], path: str) -> None:
         cls = type(obj)

@@ -9,6 +9,7 @@ the code that knows those things and are called by `torchtitan.preflight`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -101,3 +102,7 @@ def validate_job_config(cfg: Any) -> None:
     _check_optimizer(cfg)
     _check_schedule(cfg)
     _check_outputs(cfg)
+    for f in dataclasses.fields(cfg):  # an experiment's section checks itself
+        validate_section = getattr(getattr(cfg, f.name), "validate", None)
+        if callable(validate_section):
+            validate_section()

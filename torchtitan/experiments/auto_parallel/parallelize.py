@@ -29,10 +29,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
 from torchtitan.autoparallel.api import on_rank0
+from torchtitan.autoparallel.cost import DEVICES
 from torchtitan.autoparallel.plan import graph_fingerprint
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
+from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
 from torchtitan.tools.logging import logger
 
 
@@ -40,11 +42,14 @@ def _batch_placements(mesh_dim_names: tuple[str, ...], tp_placement) -> list:
     return [tp_placement if name == "tp" else Shard(0) for name in mesh_dim_names]
 
 
-def _cost_model_name() -> str:
+def _cost_model_name(setting: str) -> str:
+    """`--autoparallel.cost_model`: a device name, or auto (the device this job runs on)."""
+    if setting != "auto":
+        return setting.lower()
     if device_type() != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name().lower()
-    return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
+    return next((d for d in DEVICES if d != "cpu" and d in name), "h100")
 
 
 def parallelize_llama_auto(
@@ -75,6 +80,7 @@ def _parallelize(
     model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
 ) -> nn.Module:
     training = job_config.training
+    settings = getattr(job_config, "autoparallel", None) or AutoParallelConfig()
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names)
     loss_parallel = parallel_dims.loss_parallel_enabled
@@ -96,14 +102,18 @@ def _parallelize(
         input_fn,
         mesh,
         mp_policy=mp_policy,
-        cost_model=_cost_model_name(),
+        cost_model=_cost_model_name(settings.cost_model),
+        solver_time_limit=settings.solver_time_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
     ) as autop:
         autop.add_parameter_memory_constraint(low=None, high=None)
+        if settings.memory_budget_gib is not None:
+            autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
         autop.add_input_constraints([inputs])
         autop.add_output_constraints([outputs])
-        key = _plan_key(autop, names, inputs, outputs, mp_policy)
-        plan = _plan_on_rank0(autop, Path(job_config.job.dump_folder) / "plans" / f"{key}.json")
+        key = _plan_key(autop, names, inputs, outputs, mp_policy, settings.memory_budget_gib)
+        cache = Path(job_config.job.dump_folder) / "plans" / f"{key}.json"
+        plan = _plan_on_rank0(autop, cache if settings.plan_cache else None)
         parallel_model = autop.apply_placement(plan)
     logger.info(
         f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}"
@@ -126,7 +136,7 @@ def _parallelize(
     return parallel_model
 
 
-def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
+def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy, budget_gib) -> str:
     blob = json.dumps(
         {
             "graph": graph_fingerprint(autop.tg.gm),
@@ -134,6 +144,7 @@ def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy) -> str:
             "inputs": [str(p) for p in inputs],
             "outputs": [str(p) for p in outputs],
             "precision": [str(mp_policy.param_dtype), str(mp_policy.reduce_dtype)],
+            "memory_budget_gib": budget_gib,
             "cost_model": repr(autop.cost_model),
             "torch": torch.__version__,
         },
@@ -160,14 +171,16 @@ def _usable_cached_plan(autop: AutoParallel, cache: Path) -> str | None:
     return text
 
 
-def _plan_on_rank0(autop: AutoParallel, cache: Path) -> Plan:
+def _plan_on_rank0(autop: AutoParallel, cache: Path | None) -> Plan:
     """Rank 0 loads the cached plan or solves; every rank gets the same plan (or the same
-    error)."""
+    error).  `cache` None: always solve, write nothing."""
 
     def load_or_solve() -> str:
-        if (text := _usable_cached_plan(autop, cache)) is not None:
+        if cache is not None and (text := _usable_cached_plan(autop, cache)) is not None:
             return text
         text = autop.optimize_placement().to_json()
+        if cache is None:
+            return text
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(text)

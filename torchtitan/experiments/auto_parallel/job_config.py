@@ -1,0 +1,54 @@
+"""The planner's own config section, `[autoparallel]`.
+
+Loaded with `--job.custom_config_module torchtitan.experiments.auto_parallel.job_config`
+(or `custom_config_module` under `[job]` in a TOML); without it the planner runs with these
+defaults.  `--help` with the module loaded lists the options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torchtitan.config.manager import ConfigError
+
+
+@dataclass
+class AutoParallelConfig:
+    """The auto-parallel planner (llama3_auto_parallel, hf_auto_parallel)."""
+
+    cost_model: str = "auto"
+    """Device whose compute and link figures price a plan: auto (the device this job runs
+    on: cpu, or the GPU's name among the known ones, h100 figures for others) or a known
+    name (cpu, h100, h200, a100, ...)."""
+
+    memory_budget_gib: float | None = None
+    """Bytes per rank a plan must fit, in GiB, as the planner's memory model counts them
+    (parameters, gradients, optimizer state, saved activations); none: no such bound, only
+    the FSDP-like parameter budget (1/world of the parameters per rank)."""
+
+    solver_time_limit_seconds: float = 300.0
+    """Stop the solver after this long and take the best plan found so far (the log says
+    how far from optimal it may be)."""
+
+    plan_cache: bool = True
+    """Reuse a plan cached under {dump_folder}/plans/ (keyed by the traced graph, mesh,
+    constraints, precision and cost model) and cache new ones."""
+
+    def validate(self) -> None:
+        from torchtitan.autoparallel.cost import DEVICES
+
+        if self.cost_model != "auto" and self.cost_model.lower() not in DEVICES:
+            raise ConfigError(
+                f"--autoparallel.cost_model: unknown device {self.cost_model!r}; "
+                f"choose auto or one of {', '.join(sorted(DEVICES))}"
+            )
+        for name in ("memory_budget_gib", "solver_time_limit_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"--autoparallel.{name}: must be a positive number, got {value}")
+
+
+@dataclass
+class JobConfig:
+    autoparallel: AutoParallelConfig = field(default_factory=AutoParallelConfig)
