@@ -24,7 +24,6 @@ import gc
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -385,6 +384,8 @@ def passed(res: dict) -> bool:
 
 
 def format_result(res: dict) -> str:
+    from torchtitan.autoparallel.plan import name_pattern
+
     ranks = res["ranks"]
     pred = ranks[0]["predicted"]
     peak = max(ranks, key=lambda r: r["measured"]["peak_bytes"])
@@ -412,7 +413,7 @@ def format_result(res: dict) -> str:
         )
     groups: dict[str, set] = defaultdict(set)
     for fqn, pl in ranks[0]["params"].items():
-        groups[pl].add(re.sub(r"\.\d+\.", ".*.", fqn))
+        groups[pl].add(name_pattern(fqn))
     pm = peak["measured"]
     verdict = "WITHIN" if passed(res) else "NOT within"
     lines += [

@@ -171,11 +171,13 @@ def fsdp_tp_plan(params, names):
 def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
     """Group parameters whose FQN differs only in integer components and whose placement is
     equal: 'layers.{0..31}.attention.wq.weight'."""
+    from torchtitan.autoparallel.plan import name_pattern
+
     groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
     for fqn, pl in params.items():
         parts = fqn.split(".")
         idx = [p for p in parts if p.isdigit()]
-        key = (".".join("*" if p.isdigit() else p for p in parts), pl, tuple(shapes.get(fqn, ())))
+        key = (name_pattern(fqn), pl, tuple(shapes.get(fqn, ())))
         groups.setdefault(key, []).append(int(idx[0]) if idx else -1)
     rows = []
     for (pattern, pl, shape), ids in groups.items():

@@ -120,8 +120,8 @@ class Trainer:
             model = spec.model_cls(model_args)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
         logger.info(
-            f"{spec.name} {job_config.model.flavor}: {nparams:,} parameters; "
-            f"mesh {self.parallel_dims.world_mesh}"
+            f"{job_config.job.description}: {spec.name} {job_config.model.flavor}, "
+            f"{nparams:,} parameters; mesh {self.parallel_dims.world_mesh}"
         )
 
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
@@ -151,7 +151,6 @@ class Trainer:
             states={"train_state": self},
             job_config=job_config,
         )
-        self.losses: list[float] = []
         self.gc_freq = training.gc_freq
         gc.disable()  # collected every gc_freq steps on all ranks at once, no stragglers
         logger.info(
@@ -216,7 +215,6 @@ class Trainer:
                 dist_utils.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if counting:
                 self.metrics.log_collectives(self.step, counts)
-            self.losses.append(loss)
             if (
                 self.step == 1
                 or self.step % cfg.metrics.log_freq == 0

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from .plan import name_pattern
 from .strategies import StrategyTable
 
 
@@ -31,12 +32,6 @@ def _const(a):
     if isinstance(a, dict):
         return tuple(sorted((k, _const(v)) for k, v in a.items()))
     return repr(a)
-
-
-def name_pattern(fqn: str) -> str:
-    """A parameter's name with list/dict indices wildcarded: `layers.7.attention.wq.weight`
-    -> `layers.*.attention.wq.weight`."""
-    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
 
 
 def cluster_nodes(

@@ -19,6 +19,12 @@ import torch.fx as fx
 from .errors import PlannerError
 
 
+def name_pattern(fqn: str) -> str:
+    """A parameter's name with list/dict indices wildcarded: `layers.7.attention.wq.weight`
+    -> `layers.*.attention.wq.weight` (how plans group repeated layers)."""
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
 @dataclass
 class Plan:
     mesh_shape: list[int]
@@ -97,6 +103,27 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     # ---------------- display ----------------
+    def summary(self) -> str:
+        """One line per distinct (parameter pattern, placement): repeated layers collapse."""
+        groups: dict[tuple[str, str], int] = {}
+        for fqn, placement in self.params.items():
+            pattern = name_pattern(fqn)
+            groups[(pattern, placement)] = groups.get((pattern, placement), 0) + 1
+        width = max((len(p) for p, _ in groups), default=0)
+        dims = ",".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
+        lines += [
+            f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
+            for (p, pl), n in groups.items()
+        ]
+        pred = self.predicted
+        lines.append(
+            f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "
+            f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
+            f"{pred.get('param_fraction', 1.0):.3f} of full"
+        )
+        return "\n".join(lines)
+
     def table(self) -> str:
         names = self.mesh_dim_names
         head = (

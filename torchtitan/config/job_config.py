@@ -30,9 +30,6 @@ class Job:
     print_config: bool = False
     """Print the fully resolved config (as TOML) when the trainer starts."""
 
-    use_for_integration_test: bool = False
-    """Mark this TOML as one the integration tests should run."""
-
 
 @dataclass
 class Model:

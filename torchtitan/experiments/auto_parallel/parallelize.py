@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -115,9 +114,7 @@ def _parallelize(
         cache = Path(job_config.job.dump_folder) / "plans" / f"{key}.json"
         plan = _plan_on_rank0(autop, cache if settings.plan_cache else None)
         parallel_model = autop.apply_placement(plan)
-    logger.info(
-        f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{summarize(plan)}"
-    )
+    logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan.summary()}")
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms
@@ -188,25 +185,3 @@ def _plan_on_rank0(autop: AutoParallel, cache: Path | None) -> Plan:
         return text
 
     return Plan.from_json(on_rank0(load_or_solve))
-
-
-def summarize(plan: Plan) -> str:
-    """One line per distinct (parameter pattern, placement): repeated layers collapse."""
-    groups: dict[tuple[str, str], int] = {}
-    for fqn, placement in plan.params.items():
-        pattern = re.sub(r"\.\d+\.", ".*.", fqn)
-        groups[(pattern, placement)] = groups.get((pattern, placement), 0) + 1
-    width = max((len(p) for p, _ in groups), default=0)
-    dims = ",".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
-    lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
-    lines += [
-        f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
-        for (p, pl), n in groups.items()
-    ]
-    pred = plan.predicted
-    lines.append(
-        f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "
-        f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
-        f"{pred.get('param_fraction', 1.0):.3f} of full"
-    )
-    return "\n".join(lines)
