@@ -420,3 +420,18 @@ def test_a_plan_read_from_a_file_is_checked_against_the_model_and_mesh():
     ]:
         with pytest.raises(PlannerError, match=re.escape(message)):
             bad.check_applicable(shapes, [2], ["tp"])
+
+
+def test_a_private_torch_api_that_moved_is_named_not_skipped():
+    from torchtitan.autoparallel import torch_private
+
+    with pytest.raises(ImportError) as err:
+        torch_private._require("torch.distributed.tensor._ops.utils", "no_such_helper")
+    message = str(err.value)
+    assert message.startswith(
+        "the auto-parallel planner needs torch.distributed.tensor._ops.utils.{no_such_helper}"
+    )
+    assert f"torch {torch.__version__} does not provide it" in message
+    assert f"tested with torch=={torch_private.TESTED_WITH}" in message
+    with pytest.raises(ImportError, match=r"needs torch\.no_such_module\.\{x\}"):
+        torch_private._require("torch.no_such_module", "x")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+
+from .torch_private import register_single_dim_pointwise
 
 _aten = torch.ops.aten
 
@@ -31,7 +32,7 @@ def _register() -> None:
     prop = DTensor._op_dispatcher.sharding_propagator
     for op in ELEMENTWISE_WITHOUT_RULES:
         if op not in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
-            _register_single_dim_pointwise(op)
+            register_single_dim_pointwise(op)
 
 
 _register()

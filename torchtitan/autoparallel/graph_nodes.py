@@ -10,7 +10,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+from .torch_private import TensorMeta
 
 
 def is_getitem(node: fx.Node) -> bool:

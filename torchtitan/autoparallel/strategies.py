@@ -27,21 +27,26 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _fill_single_dim_strategy_placeholders,
-    _get_num_tensor_inputs,
-    _insert_single_dim_replication_strategy,
-    _SingleDimStrategyInfo,
-)
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import Shard
 
 from . import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
 from . import placements as P
 from .errors import UnsupportedOpError
 from .graph_nodes import is_getitem, out_metas, tensor_meta
+from .torch_private import (
+    REDISTRIBUTE_COST_MODULES,
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    SingleDimStrategyInfo,
+    TensorMeta,
+    TupleStrategy,
+    expand_to_full_mesh_op_strategy,
+    fill_single_dim_strategy_placeholders,
+    get_num_tensor_inputs,
+    insert_single_dim_replication_strategy,
+)
 from .trace import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -260,15 +265,15 @@ class StrategyBuilder:
         return self._to_strategies(node, specs, inputs, n_out)
 
     def _single_dim(self, op, info, schema: OpSchema, out_meta) -> list[OpSpec]:
-        func = info.func if isinstance(info, _SingleDimStrategyInfo) else info
-        uneven = info.allow_uneven_sharding if isinstance(info, _SingleDimStrategyInfo) else False
+        func = info.func if isinstance(info, SingleDimStrategyInfo) else info
+        uneven = info.allow_uneven_sharding if isinstance(info, SingleDimStrategyInfo) else False
         rules = func(op, schema.args_meta, schema.kwargs_meta)
-        n_in = _get_num_tensor_inputs(schema)
+        n_in = get_num_tensor_inputs(schema)
         n_out = (
             len(rules[0]) - n_in if rules else (len(out_meta) if isinstance(out_meta, tuple) else 1)
         )
-        rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
-        rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+        rules = insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
+        rules = fill_single_dim_strategy_placeholders({Shard(0)}, rules)
         strat = expand_to_full_mesh_op_strategy(
             self.mesh,
             schema,
@@ -387,22 +392,10 @@ def _no_dtensor_costs():
     import importlib
 
     mods = []
-    for name in (
-        "utils",
-        "_view_ops",
-        "_math_ops",
-        "_matrix_ops",
-        "_tensor_ops",
-        "single_dim_strategy",
-        "_pointwise_ops",
-        "_embedding_ops",
-        "_conv_ops",
-        "_random_ops",
-        "_einsum_strategy",
-    ):
+    for name in REDISTRIBUTE_COST_MODULES:
         try:
-            mod = importlib.import_module(f"torch.distributed.tensor._ops.{name}")
-        except ImportError:
+            mod = importlib.import_module(name)
+        except ImportError:  # a strategy module a torch release dropped: nothing to patch
             continue
         if getattr(mod, "generate_redistribute_costs", None) is not None:
             mods.append((mod, mod.generate_redistribute_costs))

@@ -23,10 +23,6 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._functorch._aot_autograd import fx_utils
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.compiler import _compile_session_context
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
@@ -34,6 +30,15 @@ from torch.utils import _pytree as pytree
 from . import repeat
 from .attention import route_attention
 from .errors import PlannerError
+from .torch_private import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    GradAOTOutput,
+    PlainAOTOutput,
+    aot_export_joint_with_descriptors,
+    compile_session_context,
+    fx_utils,
+)
 
 
 @dataclass
@@ -173,7 +178,7 @@ def trace_joint(
         # data-dependent checks (transformers' mask helpers) take their traced branch.  Not
         # "exporting": the plan is lowered per input shape anyway, and export's caution (an
         # explicit causal mask instead of SDPA's is_causal) would cost the fused attention
-        stack.enter_context(_compile_session_context())
+        stack.enter_context(compile_session_context())
         stack.enter_context(_annotating(notes))
         try:
             joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
@@ -331,8 +336,6 @@ def _reject_random_ops(graph: fx.Graph) -> None:
 def _check_outputs(graph: fx.Graph) -> None:
     """Only plain outputs and gradients are supported; name anything else (e.g. a buffer the
     forward mutates in place, like BatchNorm's running stats) instead of dropping it."""
-    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTOutput
-
     out = next(n for n in graph.nodes if n.op == "output")
     for desc in out.meta.get("desc", []):
         if desc is not None and not isinstance(desc, (PlainAOTOutput, GradAOTOutput)):

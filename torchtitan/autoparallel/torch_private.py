@@ -1,0 +1,99 @@
+"""Every private torch API the planner uses, imported in one place.
+
+torch promises nothing about these names (underscore modules, DTensor's strategy
+machinery, AOTAutograd's joint export); this module is the one to update when a torch
+release moves one.  A name the installed torch lacks is an `ImportError` naming it, the
+installed torch and the one the planner is tested with — at import, never a silent
+fallback.  Public torch APIs are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+TESTED_WITH = "2.13.0"
+
+
+def _attribute_or_submodule(mod: Any, name: str) -> Any:
+    if hasattr(mod, name):
+        return getattr(mod, name)
+    return importlib.import_module(f"{mod.__name__}.{name}")
+
+
+def _require(module: str, *names: str) -> list[Any]:
+    try:
+        mod = importlib.import_module(module)
+        return [_attribute_or_submodule(mod, name) for name in names]
+    except ImportError as e:
+        raise ImportError(
+            f"the auto-parallel planner needs {module}.{{{', '.join(names)}}} ({e}); torch "
+            f"{torch.__version__} does not provide it — the planner is tested with torch=="
+            f"{TESTED_WITH} (see torchtitan/autoparallel/torch_private.py)"
+        ) from None
+
+
+# DTensor: specs, sharding strategies and their single-dim rules
+DTensorSpec, TensorMeta = _require(
+    "torch.distributed.tensor._dtensor_spec", "DTensorSpec", "TensorMeta"
+)
+OpSchema, OpSpec, OpStrategy, TupleStrategy = _require(
+    "torch.distributed.tensor._op_schema", "OpSchema", "OpSpec", "OpStrategy", "TupleStrategy"
+)
+(
+    fill_single_dim_strategy_placeholders,
+    get_num_tensor_inputs,
+    insert_single_dim_replication_strategy,
+    SingleDimStrategyInfo,
+) = _require(
+    "torch.distributed.tensor._ops.single_dim_strategy",
+    "_fill_single_dim_strategy_placeholders",
+    "_get_num_tensor_inputs",
+    "_insert_single_dim_replication_strategy",
+    "_SingleDimStrategyInfo",
+)
+(expand_to_full_mesh_op_strategy,) = _require(
+    "torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy"
+)
+(register_single_dim_pointwise,) = _require(
+    "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
+)
+(compute_local_shape_and_global_offset,) = _require(
+    "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"
+)
+
+# AOTAutograd's joint export and fake tensors
+(aot_export_joint_with_descriptors,) = _require(
+    "torch._functorch.aot_autograd", "aot_export_joint_with_descriptors"
+)
+(fx_utils,) = _require("torch._functorch._aot_autograd", "fx_utils")
+GradAOTOutput, PlainAOTOutput = _require(
+    "torch._functorch._aot_autograd.descriptors", "GradAOTOutput", "PlainAOTOutput"
+)
+DataDependentOutputException, FakeTensorMode = _require(
+    "torch._subclasses.fake_tensor", "DataDependentOutputException", "FakeTensorMode"
+)
+(compile_session_context,) = _require("torch.compiler", "_compile_session_context")
+
+# DTensor's redistribution-cost helper, which strategy enumeration calls and the planner
+# replaces while enumerating (strategies.py prices edges itself).  Each strategy module
+# binds the name at import, so every binding is patched; at least the defining one must exist.
+REDISTRIBUTE_COST_MODULES = [
+    f"torch.distributed.tensor._ops.{name}"
+    for name in (
+        "utils",
+        "_view_ops",
+        "_math_ops",
+        "_matrix_ops",
+        "_tensor_ops",
+        "single_dim_strategy",
+        "_pointwise_ops",
+        "_embedding_ops",
+        "_conv_ops",
+        "_random_ops",
+        "_einsum_strategy",
+    )
+]
+_require(REDISTRIBUTE_COST_MODULES[0], "generate_redistribute_costs")
