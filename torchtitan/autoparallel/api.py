@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from .errors import ConstraintError, PlannerError
 from .expand import expand_plan
 from .memory import param_chains, plan_memory
 from .plan import Plan, graph_fingerprint
+from .plan_cache import cached_or_solved
 from .solver import PlacementSolver, UserConstraint, prune_unreachable
 from .strategies import build_strategies
 from .trace import check_on_meta, trace_joint
@@ -405,19 +407,28 @@ class AutoParallel:
         return edges
 
     # ------------------------------------------------------------------ solve
-    def optimize_placement(self, verbose: bool = False, broadcast: bool = False) -> Plan:
+    def optimize_placement(
+        self, verbose: bool = False, broadcast: bool = False, cache_dir: str | Path | None = None
+    ) -> Plan:
         """Solve and return the plan.
 
         With `broadcast=True` and a real multi-rank process group, *all* ranks must call this:
         only rank 0 builds and solves the program and the others receive its plan (as JSON),
         so every rank applies the identical plan and the CPU cost is paid once.  With the
-        default `False` the call is local (no collectives), e.g. for a caller that solves on
-        rank 0 and broadcasts the plan itself.
+        default `False` the call is local (no collectives).  With `cache_dir` the plan is
+        looked up there first and a new one is written there (plan_cache.py).
         """
         self._require_entered()
-        if broadcast:
-            return Plan.from_json(on_rank0(lambda: self._solve_local(verbose).to_json()))
-        return self._solve_local(verbose)
+        if not broadcast and cache_dir is None:
+            return self._solve_local(verbose)
+
+        def plan_text() -> str:
+            if cache_dir is None:
+                return self._solve_local(verbose).to_json()
+            return cached_or_solved(self, Path(cache_dir), lambda: self._solve_local(verbose))
+
+        text = on_rank0(plan_text) if broadcast else plan_text()
+        return Plan.from_json(text)
 
     def _solve_local(self, verbose: bool) -> Plan:
         self._prepare()

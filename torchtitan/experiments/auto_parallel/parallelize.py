@@ -9,14 +9,14 @@ replicate parameters there (HSDP/DDP-like) or shard them, whichever the cost mod
 under the memory budget.
 
 Planning happens once, on rank 0, and the plan is broadcast (a time-limited solve could
-differ between ranks).  It is cached as JSON under `{dump_folder}/plans/`, keyed by the
-traced graph, mesh, constraints and precision, and reused on restart.
+differ between ranks).  It is cached as JSON under `{dump_folder}/plans/` (the library's
+plan_cache.py: keyed by the traced graph, mesh, constraints, precision and cost model) and
+reused on restart, unless `--autoparallel.no_plan_cache`; `[autoparallel]`
+(job_config.py) holds the planner's other settings.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
-from torchtitan.autoparallel.api import on_rank0
+from torchtitan.autoparallel import AutoParallel, PlannerError
 from torchtitan.autoparallel.cost import DEVICES
-from torchtitan.autoparallel.plan import graph_fingerprint
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
@@ -110,9 +108,8 @@ def _parallelize(
             autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
         autop.add_input_constraints([inputs])
         autop.add_output_constraints([outputs])
-        key = _plan_key(autop, names, inputs, outputs, mp_policy, settings.memory_budget_gib)
-        cache = Path(job_config.job.dump_folder) / "plans" / f"{key}.json"
-        plan = _plan_on_rank0(autop, cache if settings.plan_cache else None)
+        cache = Path(job_config.job.dump_folder) / "plans" if settings.plan_cache else None
+        plan = autop.optimize_placement(broadcast=True, cache_dir=cache)
         parallel_model = autop.apply_placement(plan)
     logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan.summary()}")
 
@@ -131,57 +128,3 @@ def _parallelize(
 
         parallel_model.register_forward_hook(vocab_sharded_logits)
     return parallel_model
-
-
-def _plan_key(autop: AutoParallel, names, inputs, outputs, mp_policy, budget_gib) -> str:
-    blob = json.dumps(
-        {
-            "graph": graph_fingerprint(autop.tg.gm),
-            "mesh": [list(autop.mesh.shape), list(names)],
-            "inputs": [str(p) for p in inputs],
-            "outputs": [str(p) for p in outputs],
-            "precision": [str(mp_policy.param_dtype), str(mp_policy.reduce_dtype)],
-            "memory_budget_gib": budget_gib,
-            "cost_model": repr(autop.cost_model),
-            "torch": torch.__version__,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha1(blob.encode()).hexdigest()[:16]
-
-
-def _usable_cached_plan(autop: AutoParallel, cache: Path) -> str | None:
-    """The cached plan's text, or None (with a warning naming the file) when there is none
-    or it cannot be applied to this model and mesh (truncated, edited, impossible)."""
-    if not cache.exists():
-        return None
-    try:
-        text = cache.read_text()
-        shapes = {fqn: tuple(p.shape) for fqn, p in autop.model.named_parameters()}
-        Plan.from_json(text).check_applicable(
-            shapes, list(autop.mesh.shape), list(autop.mesh.mesh_dim_names)
-        )
-    except (OSError, UnicodeDecodeError, PlannerError) as e:
-        logger.warning(f"cached plan {cache} is unusable ({e}); planning again and replacing it")
-        return None
-    logger.info(f"reusing cached plan {cache}")
-    return text
-
-
-def _plan_on_rank0(autop: AutoParallel, cache: Path | None) -> Plan:
-    """Rank 0 loads the cached plan or solves; every rank gets the same plan (or the same
-    error).  `cache` None: always solve, write nothing."""
-
-    def load_or_solve() -> str:
-        if cache is not None and (text := _usable_cached_plan(autop, cache)) is not None:
-            return text
-        text = autop.optimize_placement().to_json()
-        if cache is None:
-            return text
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.rename(cache)  # never leave a half-written plan behind
-        return text
-
-    return Plan.from_json(on_rank0(load_or_solve))
