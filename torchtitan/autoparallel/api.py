@@ -36,7 +36,14 @@ from .expand import expand_plan
 from .memory import param_chains, plan_memory
 from .plan import Plan, graph_fingerprint
 from .plan_cache import cached_or_solved
-from .solver import PlacementSolver, UserConstraint, prune_unreachable
+from .solver import (
+    ConsumerEdge,
+    GradEdge,
+    HubEdge,
+    PlacementSolver,
+    UserConstraint,
+    prune_unreachable,
+)
 from .strategies import build_strategies
 from .trace import check_on_meta, trace_joint
 
@@ -147,6 +154,7 @@ class AutoParallel:
         self.table = None
         self._param_shapes: dict[str, list[int]] | None = None
         self._clustered_for: frozenset | None = None  # the pinned nodes `_cluster` last saw
+        self._rep: dict | None = None  # node -> representative sharing its variables
 
     # ------------------------------------------------------------------
     def __enter__(self) -> "AutoParallel":
@@ -212,12 +220,15 @@ class AutoParallel:
             self.table.memo_misses,
         )
         self.estimator = Estimator(self.cost_model, tuple(self.mesh.shape))
-        self.solver = PlacementSolver(self.tg, self.table, self.estimator)
-        self.solver.regathered = regathered_params(
-            self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
+        self.solver = PlacementSolver(
+            self.tg,
+            self.table,
+            self.estimator,
+            no_comm_edges=self._mp_no_comm_edges() if self.param_dtype is not None else (),
+            regathered=regathered_params(
+                self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
+            ),
         )
-        if self.param_dtype is not None:
-            self.solver.no_comm_edges = self._mp_no_comm_edges()
         t = time.perf_counter()
         removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
         self._cluster()
@@ -233,12 +244,10 @@ class AutoParallel:
         if self._clustered_for == pinned:
             return
         names = {n: f for f, n in {**self.tg.params, **self.tg.buffers}.items()}
-        self.solver.rep = cluster_nodes(self.table, unique=pinned, names=names)
+        self._rep = cluster_nodes(self.table, unique=pinned, names=names)
         self._clustered_for = pinned
         log.info(
-            "%d nodes share %d variable groups",
-            len(self.table.nodes),
-            len(set(self.solver.rep.values())),
+            "%d nodes share %d variable groups", len(self.table.nodes), len(set(self._rep.values()))
         )
 
     def prepare(self) -> None:
@@ -394,7 +403,7 @@ class AutoParallel:
         for pnode in self.tg.params.values():
             for user in pnode.users:
                 if user.target in casts and user in self.table.nodes:
-                    edges.add((user, 0))
+                    edges.add(ConsumerEdge(user, 0))
         for g in self.tg.grads.values():
             if g is None or g.target not in casts or g not in self.table.nodes:
                 continue
@@ -402,7 +411,7 @@ class AutoParallel:
             # the gradient: a reduction anywhere on it would run in low precision
             node = g
             while node in self.table.nodes and len(self.table.nodes[node].sources) == 1:
-                edges.add((node, 0))
+                edges.add(ConsumerEdge(node, 0))
                 node = self.table.nodes[node].sources[0][0]
         return edges
 
@@ -433,9 +442,8 @@ class AutoParallel:
     def _solve_local(self, verbose: bool) -> Plan:
         self._prepare()
         self._cluster()
-        sol = self.solver.solve(self._constraints, self.time_limit, verbose)
-        self.timings["build"] = self.solver.last_build_s
-        self.timings["solve"] = self.solver.last_solve_s
+        sol = self.solver.solve(self._constraints, self.time_limit, verbose, rep=self._rep)
+        self.timings["build"], self.timings["solve"] = sol.build_s, sol.solve_s
         plan = self._to_plan(sol)
         log.info("plan:\n%s", plan.table())
         return plan
@@ -460,15 +468,15 @@ class AutoParallel:
                 nodes[node.name]["block"] = tg.labels.get(node)
         fwd_comm = bwd_comm = 0.0
         for key, us in sol.edge_comm.items():
-            node = key[0] if isinstance(key[0], torch.fx.Node) else None
-            us *= (
-                tg.weight(node)
-                if node is not None
-                else (tg.weight(tg.params[key[1]]) if key[0] == "grad" else 1)
-            )
-            if node is not None and node in tg.forward_nodes:
-                fwd_comm += us
-            elif key[0] == "output":
+            if isinstance(key, (ConsumerEdge, HubEdge)):
+                us *= tg.weight(key.node)
+                forward = key.node in tg.forward_nodes
+            elif isinstance(key, GradEdge):
+                us *= tg.weight(tg.params[key.fqn])
+                forward = False
+            else:  # an output leaves the forward
+                forward = True
+            if forward:
                 fwd_comm += us
             else:
                 bwd_comm += us
@@ -534,10 +542,10 @@ class AutoParallel:
         owner = param_chains(self.tg, self.table)
         out = {fqn: 0.0 for fqn in self.tg.params}
         for key, us in sol.edge_comm.items():
-            if key[0] == "grad":
-                out[key[1]] += us
-            elif isinstance(key[0], torch.fx.Node) and key[1] != "hub":  # hubs: activations
-                src = self.table.nodes[key[0]].sources[key[1]][0]
+            if isinstance(key, GradEdge):
+                out[key.fqn] += us
+            elif isinstance(key, ConsumerEdge):  # hubs carry activations
+                src = self.table.nodes[key.node].sources[key.arg][0]
                 if src in owner:
                     out[owner[src]] += us
         return out

@@ -70,12 +70,13 @@ class Solution:
     gap: float | None  # proven relative gap to the best bound
     num_vars: int
     num_rows: int
-    # us per (consumer node, arg k), (producer node, "hub", output idx), ("grad", fqn),
-    # ("output", i)
+    # predicted us per instance of each edge (ConsumerEdge, HubEdge, GradEdge, OutputEdge)
     edge_comm: dict = field(default_factory=dict)
     overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
     exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
     hubs: dict = field(default_factory=dict)  # (producer, output idx) -> placement (_hub)
+    build_s: float = 0.0  # building the program
+    solve_s: float = 0.0  # HiGHS
 
 
 class _Model:
@@ -229,21 +230,63 @@ class _Model:
         )
 
 
+@dataclass(frozen=True)
+class ConsumerEdge:
+    """Input `arg` of `node`: where a value is redistributed for its consumer."""
+
+    node: fx.Node
+    arg: int
+
+
+@dataclass(frozen=True)
+class HubEdge:
+    """Output `index` of `node` into its hub (one redistribution shared by consumers)."""
+
+    node: fx.Node
+    index: int
+
+
+@dataclass(frozen=True)
+class GradEdge:
+    """The gradient of parameter `fqn` into the parameter's placement."""
+
+    fqn: str
+
+
+@dataclass(frozen=True)
+class OutputEdge:
+    """Forward output `index` into its sink placement."""
+
+    index: int
+
+
+EdgeKey = ConsumerEdge | HubEdge | GradEdge | OutputEdge
+
+
 class PlacementSolver:
-    def __init__(self, tg: TracedGraph, table: StrategyTable, est: Estimator):
+    """Builds and solves the 0/1 program for one traced graph, strategy table and cost model.
+
+    `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
+    casts); `regathered`: parameters the executor gathers again in the backward (memory.py).
+    """
+
+    def __init__(
+        self,
+        tg: TracedGraph,
+        table: StrategyTable,
+        est: Estimator,
+        no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
+        regathered: frozenset[str] = frozenset(),
+    ):
         self.tg = tg
         self.table = table
         self.est = est
         self.mesh_shape = table.mesh_shape
+        self.no_comm_edges = frozenset(no_comm_edges)
+        self.regathered = frozenset(regathered)
         self._compute: dict[tuple[fx.Node, int], float] = {}
-        # (consumer node, input index) edges on which no redistribution may happen
-        self.no_comm_edges: set = set()
-        # node -> representative sharing its variables (see cluster.py); None = no sharing
-        self.rep: dict[fx.Node, fx.Node] | None = None
         self._param_side: set | None = None
         self._pair_memo: dict = {}
-        # parameters the executor gathers again in the backward (memory.py)
-        self.regathered: frozenset[str] = frozenset()
 
     def param_side_nodes(self) -> set:
         """Nodes on a parameter's single-input chain (param, cast, transpose, view) and on a
@@ -285,7 +328,7 @@ class PlacementSolver:
             self._compute[key] = c
         return c
 
-    def _pairs(
+    def pairs(
         self,
         emitted: tuple,
         required: tuple,
@@ -318,251 +361,50 @@ class PlacementSolver:
 
     # ------------------------------------------------------------------
     def solve(
-        self, constraints: list[UserConstraint], time_limit: float = 120.0, verbose: bool = False
+        self,
+        constraints: list[UserConstraint],
+        time_limit: float = 120.0,
+        verbose: bool = False,
+        rep: dict[fx.Node, fx.Node] | None = None,
     ) -> Solution:
-        sol = self._solve_once(constraints, time_limit, verbose)
+        """The cheapest plan under `constraints`; `rep` maps each node to the representative
+        whose variables it shares (cluster.py; None: no sharing)."""
+        sol = self._solve_once(constraints, time_limit, verbose, rep)
         if sol is not None:
             return sol
         # infeasible: find a minimal conflicting set of user constraints
         active = list(constraints)
-        if self._solve_once([], time_limit, False) is None:
+        if self._solve_once([], time_limit, False, rep) is None:
             raise InfeasiblePlanError("no placement exists even without user constraints")
         for c in list(active):
             trial = [a for a in active if a is not c]
-            if self._solve_once(trial, time_limit, False) is None:
+            if self._solve_once(trial, time_limit, False, rep) is None:
                 active = trial
         names = "; ".join(c.name for c in active)
         raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
 
-    def _solve_once(self, constraints, time_limit, verbose) -> Solution | None:
+    def _solve_once(self, constraints, time_limit, verbose, rep) -> Solution | None:
         t0 = time.perf_counter()
-        tg, table, est = self.tg, self.table, self.est
-        rep = self.rep if self.rep is not None else {n: n for n in table.nodes}
-        weight = tg.weight  # > 1 for a shallow trace's block standing for several (repeat.py)
-        mult: dict[fx.Node, int] = defaultdict(int)
-        for n in table.nodes:
-            mult[rep[n]] += weight(n)
-
-        def member_weight(key) -> int:
-            if key[0] == "grad":
-                return weight(tg.params[key[1]])
-            return 1 if key[0] == "output" else weight(key[0])
-
-        m = _Model()
-        pside = self.param_side_nodes()
-        gside = self._grad_side
-        xvars: dict[fx.Node, list[int]] = {}
-        for node in table.nodes:
-            r = rep[node]
-            if r in xvars:
-                xvars[node] = xvars[r]
-                continue
-            ns = table.nodes[r]
-            xs = [m.var(self.compute_cost(r, s) * mult[r]) for s in range(len(ns.strategies))]
-            xvars[r] = xvars[node] = xs
-            m.onehot(xs)
-            if r in pside or r in gside:
-                m.free_groups.add(len(m.groups) - 1)
-
-        edge_vars: list[tuple[list, int, float]] = []  # (member edges, var, cost per member)
-        edge_pair_vars: dict = {}  # member edge -> [(var, emitted, required)]
-        eta = est.cm.overlap_efficiency
-        ov_vars: set[int] = set()
-
-        def producer_groups(src) -> dict[P.Placements, list[int]]:
-            ns = table.nodes[src[0]]
-            g: dict[P.Placements, list[int]] = defaultdict(list)
-            for s, pl in enumerate(ns.out_placements(src[1])):
-                if pl is not None:
-                    g[pl].append(xvars[src[0]][s])
-            return g
-
-        def link(
-            src,
-            cons_groups: dict[P.Placements, list[int]],
-            members: list,
-            prod: dict[P.Placements, list[int]] | None = None,
-        ) -> None:
-            """Tight edge constraints between a producer (or its hub) and a consumer's
-            requirement groups."""
-            val = _source_val(src)
-            prod = producer_groups(src) if prod is None else prod
-            pair_vars: list = []
-            for key in members:
-                edge_pair_vars[key] = pair_vars
-            rows_o: dict[P.Placements, list] = {
-                o: [(v, -1.0) for v in xs] for o, xs in prod.items()
-            }
-            rows_r: dict[P.Placements, list] = {
-                r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()
-            }
-            frozen = any(k in self.no_comm_edges for k in members)
-            count = sum(member_weight(k) for k in members)
-            key0 = members[0]
-            overlappable = eta > 0 and (
-                src[0] in pside
-                or key0[0] == "grad"
-                or (isinstance(key0[0], fx.Node) and key0[0] in gside)
-            )
-            sink = key0[0] in ("grad", "output")
-            for o, r, c in self._pairs(
-                tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
-            ):
-                tie = TIE_BREAK_US if o != r else 0.0
-                if overlappable:
-                    y = m.var((c * (1.0 - eta) + tie) * count)
-                    ov_vars.add(y)
-                else:
-                    y = m.var((c + tie) * count)
-                edge_vars.append((members, y, c))
-                pair_vars.append((y, o, r))
-                rows_o[o].append((y, 1.0))
-                rows_r[r].append((y, 1.0))
-            for terms in list(rows_o.values()) + list(rows_r.values()):
-                m.row(terms, 0.0, 0.0)
-
-        # consumer edges, one set of variables per (producer group, consumer group, arg)
-        edges: dict[tuple, list] = defaultdict(list)
-        for node, ns in table.nodes.items():
-            for k, src in enumerate(ns.sources):
-                edges[(rep[src[0]], src[1], rep[node], k)].append((node, k))
-        required: dict[tuple, dict[P.Placements, list[int]]] = {}
-        fanout: dict[tuple, list[tuple]] = defaultdict(list)
-        for key in edges:
-            psrc, pidx, cnode, k = key
-            groups: dict[P.Placements, list[int]] = defaultdict(list)
-            for s, st in enumerate(table.nodes[cnode].strategies):
-                if st.ins[k] is not None:
-                    groups[st.ins[k]].append(xvars[cnode][s])
-            if groups:
-                required[key] = groups
-                fanout[(psrc, pidx)].append(key)
-        represented: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-        for node in table.nodes:
-            represented[rep[node]].append(node)
-        hub_vars: dict[tuple, dict[P.Placements, int]] = {}
-        for src, keys in fanout.items():
-            if (
-                len(keys) > 1
-                and src[0].op == "call_function"
-                and src[0] not in pside
-                and not any(e in self.no_comm_edges for k in keys for e in edges[k])
-            ):
-                hub_vars[src] = w = self._hub(m, producer_groups(src), [required[k] for k in keys])
-                link(
-                    src,
-                    {pl: [v] for pl, v in w.items()},
-                    [(n, "hub", src[1]) for n in represented[src[0]]],
-                )
-        for key, groups in required.items():
-            src = key[:2]
-            hub = hub_vars.get(src)
-            link(src, groups, edges[key], {pl: [v] for pl, v in hub.items()} if hub else None)
-
-        # sinks: forward outputs (tied to tangents) and parameter gradients (tied to params)
-        sink_vars: dict[int, dict[P.Placements, int]] = {}
-        for i, out in enumerate(tg.outputs):
-            src = resolve_source(out)
-            val = _source_val(src)
-            opts = P.all_placements(val.shape, self.mesh_shape)
-            w = {pl: m.var(0.0) for pl in opts}
-            m.onehot(list(w.values()))
-            sink_vars[i] = w
-            link(src, {pl: [v] for pl, v in w.items()}, [("output", i)])
-            tan = tg.tangents[i]
-            if tan is not None and tan in table.nodes:
-                self._tie(m, w, table.nodes[tan], xvars[tan])
-        grad_vars: dict[str, dict[P.Placements, int]] = {}
-        grad_groups: dict[tuple, list[str]] = defaultdict(list)
-        for fqn, g in tg.grads.items():
-            if g is None:
-                continue
-            src = resolve_source(g)
-            grad_groups[(rep[tg.params[fqn]], rep.get(src[0], src[0]), src[1])].append(fqn)
-        for (pnode, gnode, gidx), fqns in grad_groups.items():
-            src = (gnode, gidx)
-            val = _source_val(src)
-            opts = P.all_placements(val.shape, self.mesh_shape)
-            w = {pl: m.var(0.0) for pl in opts}
-            m.onehot(list(w.values()))
-            for fqn in fqns:
-                grad_vars[fqn] = w
-            link(src, {pl: [v] for pl, v in w.items()}, [("grad", f) for f in fqns])
-            self._tie(m, w, table.nodes[pnode], xvars[pnode])
-
-        # user constraints
+        program = _Program(self, rep)
+        program.add_placement_choices()
+        program.add_edges()
+        program.add_output_sinks()
+        program.add_gradient_sinks()
         for c in constraints:
             if c.kind == "pin":
-                if c.sink is not None:
-                    w = sink_vars[c.sink]
-                    if c.placement not in w:
-                        raise ConstraintError(
-                            f"{c.name}: placement not valid for the output's shape"
-                        )
-                    m.lb[w[c.placement]] = 1.0
-                else:
-                    ns = table.nodes[c.node]
-                    idx = [s for s, st in enumerate(ns.strategies) if st.out[0] == c.placement]
-                    if not idx:
-                        raise ConstraintError(
-                            f"{c.name}: placement not valid for the tensor's shape"
-                        )
-                    m.lb[xvars[c.node][idx[0]]] = 1.0
+                program.add_pin(c)
             elif c.kind == "mem":
-                # in units of all parameter bytes, so the row is well scaled for the solver
-                total = (
-                    float(sum(self.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
-                )
-                terms, lo_bound, hi_bound = [], 0.0, 0.0
-                for fqn, pnode in tg.params.items():
-                    ns = table.nodes[pnode]
-                    b = self.param_bytes(pnode) * weight(pnode) / total
-                    fr = [
-                        P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.mesh_shape)
-                        for st in ns.strategies
-                    ]
-                    for s, f in enumerate(fr):
-                        terms.append((xvars[pnode][s], b * f))
-                    fmin = min(fr)
-                    hi_bound += b * max(fmin, c.high if c.high is not None else 1.0)
-                    lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
-                m.row(
-                    terms,
-                    lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
-                    hi_bound * (1 + 1e-9),
-                )
+                program.add_parameter_budget(c)
             elif c.kind == "bytes":
-                # per-rank bytes (params, grads, optimizer state, saved activations), scaled
-                # by the budget so the row's coefficients are O(1)
-                terms = []
-                for t in memory_terms(tg, table, regathered=self.regathered):
-                    if t.kind == "copy":  # on the edge: held only if it redistributes
-                        # (through a hub: counted on both steps, an upper bound)
-                        src = table.nodes[t.node].sources[t.arg]
-                        for y, o, r in edge_pair_vars.get((t.node, t.arg), []) + edge_pair_vars.get(
-                            (src[0], "hub", src[1]), []
-                        ):
-                            f = copy_fraction(t, table, o, r)
-                            if f:
-                                terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
-                        continue
-                    xs = xvars[t.node]
-                    for s in range(len(xs)):
-                        terms.append(
-                            (
-                                xs[s],
-                                t.full_bytes * weight(t.node) * term_fraction(t, table, s) / c.high,
-                            )
-                        )
-                m.row(terms, -highspy.kHighsInf, 1.0)
+                program.add_memory_budget(c)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        status, values, obj, how, gap = m.solve(time_limit, verbose)
+        status, values, obj, how, gap = program.m.solve(time_limit, verbose)
         solve_s = time.perf_counter() - t1
         log.info(
             "ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",
-            len(m.cost),
-            len(m.row_lo),
+            len(program.m.cost),
+            len(program.m.row_lo),
             build_s,
             solve_s,
             status,
@@ -570,92 +412,339 @@ class PlacementSolver:
             gap,
         )
         if status == highspy.HighsModelStatus.kInfeasible or values is None:
-            if status not in (highspy.HighsModelStatus.kInfeasible,):
-                if status == highspy.HighsModelStatus.kTimeLimit:
-                    raise PlannerError(
-                        f"solver hit the {time_limit}s time limit without a feasible plan"
-                    )
+            if status == highspy.HighsModelStatus.kTimeLimit:
+                raise PlannerError(
+                    f"solver hit the {time_limit}s time limit without a feasible plan"
+                )
             return None
-        optimal = status == highspy.HighsModelStatus.kOptimal
-        if not optimal:
+        if status != highspy.HighsModelStatus.kOptimal:
             log.warning(
                 "solver stopped with status %s; the plan is feasible, proven within %s of optimal",
                 status,
                 "-" if gap is None else f"{gap:.2%}",
             )
-        choice = {}
-        compute = 0.0
-        for node, xs in xvars.items():
+        sol = program.solution(values, status, obj, how, gap)
+        sol.build_s, sol.solve_s = build_s, solve_s
+        return sol
+
+
+class _Program:
+    """One 0/1 program, built one constraint family at a time (variables in the module
+    docstring); `solution` reads a plan off the solver's values.
+
+    Notation: `x[n, s]` node n takes strategy s; `y[e, o, r]` edge e redistributes o -> r;
+    `h[v, p]` value v's hub placement; `w[k, p]` sink k's placement.  Nodes that share a
+    representative (`rep`) share their x, and the costs are multiplied by how many nodes
+    (and shallow-trace blocks, `tg.weight`) each variable stands for.
+    """
+
+    def __init__(self, solver: PlacementSolver, rep: dict[fx.Node, fx.Node] | None):
+        self.solver = solver
+        self.tg, self.table, self.est = solver.tg, solver.table, solver.est
+        self.rep = rep if rep is not None else {n: n for n in self.table.nodes}
+        self.weight = self.tg.weight  # > 1 for a shallow trace's block standing for several
+        self.mult: dict[fx.Node, int] = defaultdict(int)
+        for n in self.table.nodes:
+            self.mult[self.rep[n]] += self.weight(n)
+        self.represented: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+        for node in self.table.nodes:
+            self.represented[self.rep[node]].append(node)
+        self.m = _Model()
+        self.pside = solver.param_side_nodes()
+        self.gside = solver._grad_side
+        self.eta = self.est.cm.overlap_efficiency
+        self.xvars: dict[fx.Node, list[int]] = {}
+        self.edge_vars: list[tuple[list[EdgeKey], int, float]] = []  # (members, y, cost each)
+        self.edge_pair_vars: dict[EdgeKey, list] = {}  # member -> [(y, emitted, required)]
+        self.overlapped: set[int] = set()
+        self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
+        self.sink_vars: dict[int, dict[P.Placements, int]] = {}
+        self.grad_vars: dict[str, dict[P.Placements, int]] = {}
+
+    def member_weight(self, key: EdgeKey) -> int:
+        if isinstance(key, GradEdge):
+            return self.weight(self.tg.params[key.fqn])
+        if isinstance(key, OutputEdge):
+            return 1
+        return self.weight(key.node)
+
+    # ---------------------------------------------------------------- families
+    def add_placement_choices(self) -> None:
+        """sum_s x[n, s] = 1 for every representative n; objective += compute(n, s) x[n, s]
+        times the nodes n stands for."""
+        m = self.m
+        for node in self.table.nodes:
+            r = self.rep[node]
+            if r in self.xvars:
+                self.xvars[node] = self.xvars[r]
+                continue
+            strategies = self.table.nodes[r].strategies
+            xs = [
+                m.var(self.solver.compute_cost(r, s) * self.mult[r]) for s in range(len(strategies))
+            ]
+            self.xvars[r] = self.xvars[node] = xs
+            m.onehot(xs)
+            if r in self.pside or r in self.gside:
+                m.free_groups.add(len(m.groups) - 1)
+
+    def _producer_groups(self, src) -> dict[P.Placements, list[int]]:
+        g: dict[P.Placements, list[int]] = defaultdict(list)
+        for s, pl in enumerate(self.table.nodes[src[0]].out_placements(src[1])):
+            if pl is not None:
+                g[pl].append(self.xvars[src[0]][s])
+        return g
+
+    def _link(self, src, cons_groups, members: list[EdgeKey], prod=None) -> None:
+        """Tight edge rows between a producer (or its hub) and a consumer's requirements:
+        for every emitted o, sum_r y[e, o, r] = sum of the producer's x emitting o; for every
+        required r, sum_o y[e, o, r] = sum of the consumer's x needing r.  Objective +=
+        comm(o -> r) y (times (1 - overlap efficiency) where parameter-side, overlappable)."""
+        m = self.m
+        val = _source_val(src)
+        prod = self._producer_groups(src) if prod is None else prod
+        pair_vars: list = []
+        for key in members:
+            self.edge_pair_vars[key] = pair_vars
+        rows_o = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
+        rows_r = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+        frozen = any(k in self.solver.no_comm_edges for k in members)
+        count = sum(self.member_weight(k) for k in members)
+        first = members[0]
+        overlappable = self.eta > 0 and (
+            src[0] in self.pside
+            or isinstance(first, GradEdge)
+            or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
+        )
+        sink = isinstance(first, (GradEdge, OutputEdge))
+        for o, r, c in self.solver.pairs(
+            tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
+        ):
+            tie = TIE_BREAK_US if o != r else 0.0
+            if overlappable:
+                y = m.var((c * (1.0 - self.eta) + tie) * count)
+                self.overlapped.add(y)
+            else:
+                y = m.var((c + tie) * count)
+            self.edge_vars.append((members, y, c))
+            pair_vars.append((y, o, r))
+            rows_o[o].append((y, 1.0))
+            rows_r[r].append((y, 1.0))
+        for terms in list(rows_o.values()) + list(rows_r.values()):
+            m.row(terms, 0.0, 0.0)
+
+    def add_edges(self) -> None:
+        """One set of y per (producer group, consumer group, argument); a value read by
+        several consumer groups goes through a hub (`_hub`), its consumers link from it."""
+        table, rep = self.table, self.rep
+        edges: dict[tuple, list[ConsumerEdge]] = defaultdict(list)
+        for node, ns in table.nodes.items():
+            for k, src in enumerate(ns.sources):
+                edges[(rep[src[0]], src[1], rep[node], k)].append(ConsumerEdge(node, k))
+        required: dict[tuple, dict[P.Placements, list[int]]] = {}
+        fanout: dict[tuple, list[tuple]] = defaultdict(list)
+        for key in edges:
+            psrc, pidx, cnode, k = key
+            groups: dict[P.Placements, list[int]] = defaultdict(list)
+            for s, st in enumerate(table.nodes[cnode].strategies):
+                if st.ins[k] is not None:
+                    groups[st.ins[k]].append(self.xvars[cnode][s])
+            if groups:
+                required[key] = groups
+                fanout[(psrc, pidx)].append(key)
+        for src, keys in fanout.items():
+            if (
+                len(keys) > 1
+                and src[0].op == "call_function"
+                and src[0] not in self.pside
+                and not any(e in self.solver.no_comm_edges for k in keys for e in edges[k])
+            ):
+                w = _hub(self.m, self._producer_groups(src), [required[k] for k in keys])
+                self.hub_vars[src] = w
+                self._link(
+                    src,
+                    {pl: [v] for pl, v in w.items()},
+                    [HubEdge(n, src[1]) for n in self.represented[src[0]]],
+                )
+        for key, groups in required.items():
+            src = key[:2]
+            hub = self.hub_vars.get(src)
+            self._link(src, groups, edges[key], {pl: [v] for pl, v in hub.items()} if hub else None)
+
+    def add_output_sinks(self) -> None:
+        """sum_p w[k, p] = 1 per forward output k, linked like an edge; the output's tangent
+        enters in the same placement (`_tie`)."""
+        for i, out in enumerate(self.tg.outputs):
+            src = resolve_source(out)
+            val = _source_val(src)
+            w = {pl: self.m.var(0.0) for pl in P.all_placements(val.shape, self.solver.mesh_shape)}
+            self.m.onehot(list(w.values()))
+            self.sink_vars[i] = w
+            self._link(src, {pl: [v] for pl, v in w.items()}, [OutputEdge(i)])
+            tan = self.tg.tangents[i]
+            if tan is not None and tan in self.table.nodes:
+                _tie(self.m, w, self.table.nodes[tan], self.xvars[tan])
+
+    def add_gradient_sinks(self) -> None:
+        """A parameter's gradient leaves in the parameter's placement: one sink per (param
+        group, gradient group), linked like an edge and tied to the parameter's x."""
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for fqn, g in self.tg.grads.items():
+            if g is None:
+                continue
+            src = resolve_source(g)
+            groups[(self.rep[self.tg.params[fqn]], self.rep.get(src[0], src[0]), src[1])].append(
+                fqn
+            )
+        for (pnode, gnode, gidx), fqns in groups.items():
+            src = (gnode, gidx)
+            val = _source_val(src)
+            w = {pl: self.m.var(0.0) for pl in P.all_placements(val.shape, self.solver.mesh_shape)}
+            self.m.onehot(list(w.values()))
+            for fqn in fqns:
+                self.grad_vars[fqn] = w
+            self._link(src, {pl: [v] for pl, v in w.items()}, [GradEdge(f) for f in fqns])
+            _tie(self.m, w, self.table.nodes[pnode], self.xvars[pnode])
+
+    def add_pin(self, c: UserConstraint) -> None:
+        """x[n, s] = 1 (lower bound) for the strategy whose output is the pinned placement;
+        for an output pin, w[k, p] = 1."""
+        if c.sink is not None:
+            w = self.sink_vars[c.sink]
+            if c.placement not in w:
+                raise ConstraintError(f"{c.name}: placement not valid for the output's shape")
+            self.m.lb[w[c.placement]] = 1.0
+            return
+        ns = self.table.nodes[c.node]
+        idx = [s for s, st in enumerate(ns.strategies) if st.out[0] == c.placement]
+        if not idx:
+            raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
+        self.m.lb[self.xvars[c.node][idx[0]]] = 1.0
+
+    def add_parameter_budget(self, c: UserConstraint) -> None:
+        """low <= sum_p bytes(p)/total * sum_s shard_fraction(p, s) x[p, s] <= high, in units of
+        all parameter bytes (a well-scaled row); each bound is raised to what the smallest
+        shard of every parameter allows."""
+        tg, weight = self.tg, self.weight
+        total = (
+            float(sum(self.solver.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
+        )
+        terms, lo_bound, hi_bound = [], 0.0, 0.0
+        for pnode in tg.params.values():
+            ns = self.table.nodes[pnode]
+            b = self.solver.param_bytes(pnode) * weight(pnode) / total
+            fr = [
+                P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.solver.mesh_shape)
+                for st in ns.strategies
+            ]
+            for s, f in enumerate(fr):
+                terms.append((self.xvars[pnode][s], b * f))
+            fmin = min(fr)
+            hi_bound += b * max(fmin, c.high if c.high is not None else 1.0)
+            lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
+        self.m.row(
+            terms,
+            lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
+            hi_bound * (1 + 1e-9),
+        )
+
+    def add_memory_budget(self, c: UserConstraint) -> None:
+        """sum over memory terms (memory.py: params, grads, optimizer state, saved
+        activations) of bytes * fraction(chosen strategy or redistribution) <= budget,
+        divided by the budget so the coefficients are O(1).  A copy held on an edge counts
+        only if that edge redistributes (through a hub on both steps: an upper bound)."""
+        table, weight = self.table, self.weight
+        terms = []
+        for t in memory_terms(self.tg, table, regathered=self.solver.regathered):
+            if t.kind == "copy":
+                src = table.nodes[t.node].sources[t.arg]
+                on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
+                on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
+                for y, o, r in on_edge + on_hub:
+                    f = copy_fraction(t, table, o, r)
+                    if f:
+                        terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
+                continue
+            xs = self.xvars[t.node]
+            for s in range(len(xs)):
+                frac = term_fraction(t, table, s)
+                terms.append((xs[s], t.full_bytes * weight(t.node) * frac / c.high))
+        self.m.row(terms, -highspy.kHighsInf, 1.0)
+
+    # ---------------------------------------------------------------- reading the answer
+    def solution(self, values, status, obj, how, gap) -> Solution:
+        def chosen(w: dict) -> P.Placements:
+            return max(w, key=lambda pl: values[w[pl]])
+
+        choice, compute = {}, 0.0
+        for node, xs in self.xvars.items():
             s = max(range(len(xs)), key=lambda i: values[xs[i]])
             choice[node] = s
-            compute += self.compute_cost(rep[node], s) * weight(node)
-        comm = ov_comm = 0.0
-        edge_comm: dict = defaultdict(float)
-        for members, v, c in edge_vars:
+            compute += self.solver.compute_cost(self.rep[node], s) * self.weight(node)
+        comm = overlapped = 0.0
+        edge_comm: dict[EdgeKey, float] = defaultdict(float)
+        for members, v, c in self.edge_vars:
             if values[v] > 0.5:
                 count = 0
                 for key in members:
-                    count += member_weight(key)
+                    count += self.member_weight(key)
                     edge_comm[key] += c  # per instance; the totals below are weighted
                 comm += c * count
-                if v in ov_vars:
-                    ov_comm += c * count
-        exposed = (comm - ov_comm) + (1.0 - eta) * ov_comm
-        sinks = {i: max(w, key=lambda pl: values[w[pl]]) for i, w in sink_vars.items()}
+                if v in self.overlapped:
+                    overlapped += c * count
+        exposed = (comm - overlapped) + (1.0 - self.eta) * overlapped
         hubs = {
-            (n, src[1]): max(w, key=lambda pl: values[w[pl]])
-            for src, w in hub_vars.items()
-            for n in represented[src[0]]
+            (n, src[1]): chosen(w)
+            for src, w in self.hub_vars.items()
+            for n in self.represented[src[0]]
         }
-        grads = {f: max(w, key=lambda pl: values[w[pl]]) for f, w in grad_vars.items()}
-        self.last_build_s, self.last_solve_s = build_s, solve_s
         return Solution(
-            choice,
-            sinks,
-            grads,
-            compute,
-            comm,
-            obj,
-            f"{status} via {how}",
-            optimal,
-            gap,
-            len(m.cost),
-            len(m.row_lo),
-            dict(edge_comm),
-            ov_comm,
-            exposed,
-            hubs,
+            choice=choice,
+            sink_placement={i: chosen(w) for i, w in self.sink_vars.items()},
+            grad_placement={f: chosen(w) for f, w in self.grad_vars.items()},
+            compute_us=compute,
+            comm_us=comm,
+            objective=obj,
+            status=f"{status} via {how}",
+            optimal=status == highspy.HighsModelStatus.kOptimal,
+            gap=gap,
+            num_vars=len(self.m.cost),
+            num_rows=len(self.m.row_lo),
+            edge_comm=dict(edge_comm),
+            overlappable_comm_us=overlapped,
+            exposed_comm_us=exposed,
+            hubs=hubs,
         )
 
-    @staticmethod
-    def _hub(m: _Model, emitted: dict, required: list[dict]) -> dict[P.Placements, int]:
-        """A value read by several consumers is redistributed once per placement, not once per
-        consumer.  Its "hub" picks the one placement it is redistributed to (one-hot over what
-        the producer emits and the consumers require); consumers read from the hub and pay
-        only for their own step on from it (nothing when they need the hub's placement).  The
-        price, producer -> hub once plus hub -> each consumer, bounds what the runner does (it
-        redistributes through the hub the same way, and reads the producer's value directly
-        where a consumer wants the producer's own placement), and is exact when the consumers
-        want at most one placement besides the producer's — the Megatron pattern: one
-        all-gather of the normalised activations feeds wq, wk and wv."""
-        placements = dict.fromkeys(emitted)
-        for groups in required:
-            placements.update(dict.fromkeys(groups))
-        w = {pl: m.var(0.0) for pl in placements}
-        m.onehot(list(w.values()))
-        return w
 
-    @staticmethod
-    def _tie(m: _Model, w: dict, ns, xs: list[int]) -> None:
-        """Sink placement == the placement of a placeholder (param or tangent)."""
-        by_pl: dict = defaultdict(list)
-        for s, st in enumerate(ns.strategies):
-            by_pl[st.out[0]].append(xs[s])
-        for pl in set(w) | set(by_pl):
-            terms = [(v, 1.0) for v in by_pl.get(pl, [])]
-            if pl in w:
-                terms.append((w[pl], -1.0))
-            m.row(terms, 0.0, 0.0)
+def _hub(m: _Model, emitted: dict, required: list[dict]) -> dict[P.Placements, int]:
+    """A value read by several consumers is redistributed once per placement, not once per
+    consumer.  Its "hub" picks the one placement it is redistributed to (one-hot over what
+    the producer emits and the consumers require); consumers read from the hub and pay
+    only for their own step on from it (nothing when they need the hub's placement).  The
+    price, producer -> hub once plus hub -> each consumer, bounds what the runner does (it
+    redistributes through the hub the same way, and reads the producer's value directly
+    where a consumer wants the producer's own placement), and is exact when the consumers
+    want at most one placement besides the producer's — the Megatron pattern: one
+    all-gather of the normalised activations feeds wq, wk and wv."""
+    placements = dict.fromkeys(emitted)
+    for groups in required:
+        placements.update(dict.fromkeys(groups))
+    w = {pl: m.var(0.0) for pl in placements}
+    m.onehot(list(w.values()))
+    return w
+
+
+def _tie(m: _Model, w: dict, ns, xs: list[int]) -> None:
+    """Sink placement == the placement of a placeholder (param or tangent): for every p,
+    sum of x over the placeholder's strategies emitting p = w[p]."""
+    by_pl: dict = defaultdict(list)
+    for s, st in enumerate(ns.strategies):
+        by_pl[st.out[0]].append(xs[s])
+    for pl in set(w) | set(by_pl):
+        terms = [(v, 1.0) for v in by_pl.get(pl, [])]
+        if pl in w:
+            terms.append((w[pl], -1.0))
+        m.row(terms, 0.0, 0.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -715,7 +804,7 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
         if not ns.sources:
             continue
         emitted = tuple(emitted_of(src) for src in ns.sources)
-        frozen = tuple((node, k) in no_comm_edges for k in range(len(ns.sources)))
+        frozen = tuple(ConsumerEdge(node, k) in no_comm_edges for k in range(len(ns.sources)))
         key = (id(ns.strategies), emitted, frozen)
         live = live_memo.get(key)
         if live is None:
