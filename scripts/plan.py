@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 
 # the hand-written baselines: which linear layers torchtitan's Megatron TP plan splits how
-COLWISE = ("wq", "wk", "wv", "w1", "w3")
-ROWWISE = ("wo", "w2")
 DEVICES = ("cpu", "a100", "h100", "h200")
 HBM_GIB = {"cpu": 24.0, "a100": 80.0, "h100": 80.0, "h200": 141.0}  # default memory budget
 
@@ -119,52 +117,6 @@ def validate(a):
     if a.param_fraction is not None and not (0 < a.param_fraction <= 1):
         raise BadInput(f"--param-fraction must be in (0, 1], got {a.param_fraction}")
     return shape, names
-
-
-# ---------------------------------------------------------------------------- hand-written
-def _dp_dim(names) -> int:
-    return names.index("dp") if "dp" in names else 0
-
-
-def _tp_dim(names):
-    return names.index("tp") if "tp" in names else (1 if len(names) == 2 else None)
-
-
-def fsdp_plan(params, names):
-    """FSDP: every parameter Shard(0) on dp, replicated elsewhere."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    dp = _dp_dim(names)
-    return {
-        f: tuple(Shard(0) if d == dp else Replicate() for d in range(len(names))) for f in params
-    }
-
-
-def fsdp_tp_plan(params, names):
-    """torchtitan's FSDP + Megatron TP (sequence parallel): colwise wq/wk/wv/w1/w3 and the
-    output projection Shard(0) on tp, rowwise wo/w2 Shard(1) on tp, the embedding Shard(0) on
-    tp (rowwise), norms replicated on tp.  FSDP2 shards dim 0 of the TP shard on dp (a
-    `_StridedShard`), so its gathers are dp all-gathers of the TP shard; pinning that as
-    Shard(0) on both dims would price DTensor's nested-sharding path instead (a tp all-gather
-    first, then a dp all-gather of 8x the bytes).  The same traffic and memory result from
-    sharding the *other* matrix dim on dp where tp splits dim 0, which is what is pinned."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    dp, tp = _dp_dim(names), _tp_dim(names)
-    out = {}
-    for f, shape in params.items():
-        leaf = f.split(".")[-2] if f.endswith(".weight") else f.split(".")[-1]
-        if leaf in COLWISE or leaf in ("output", "tok_embeddings"):
-            on_tp = Shard(0)
-        elif leaf in ROWWISE:
-            on_tp = Shard(1)
-        else:
-            on_tp = Replicate()
-        on_dp = Shard(1) if on_tp == Shard(0) and len(shape) > 1 else Shard(0)
-        out[f] = tuple(
-            on_dp if d == dp else on_tp if d == tp else Replicate() for d in range(len(names))
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -265,6 +217,8 @@ def write_html(path: Path, plans: dict, names, mesh_shape, title: str) -> None:
 
 # ---------------------------------------------------------------------------- main
 def run(a) -> int:
+    from torchtitan.models.llama3.baseline_plans import dp_dim, fsdp_plan, fsdp_tp_plan, tp_dim
+
     shape, names = validate(a)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,7 +234,7 @@ def run(a) -> int:
     world = 1
     for s in shape:
         world *= s
-    dp = _dp_dim(names)
+    dp = dp_dim(names)
     batch = a.batch if a.batch is not None else shape[dp]
     if batch % shape[dp]:
         raise BadInput(f"--batch {batch} is not divisible by the dp size {shape[dp]}")
@@ -349,7 +303,7 @@ def run(a) -> int:
         if not a.no_baselines:
             pshapes = autop.param_shapes()
             baselines = [("FSDP", fsdp_plan(pshapes, names))]
-            if len(shape) >= 2 and _tp_dim(names) is not None:
+            if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
             for label, pins in baselines:
                 _progress(f"  pricing hand-written {label} ...")

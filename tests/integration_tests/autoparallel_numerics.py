@@ -32,19 +32,11 @@ import os
 import sys
 import time
 
+import hf_models
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-
-import hf_models  # noqa: E402
-from autoparallel_models import (  # noqa: E402
+from autoparallel_models import (
     Elementwise,
     GPT2Block,
     Indexing,
@@ -53,10 +45,14 @@ from autoparallel_models import (  # noqa: E402
     TiedLM,
     tiny_llama,
 )
-from rank_checks import check, run_checks  # noqa: E402
+from rank_checks import check, run_checks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.autoparallel import AutoParallel, Plan  # noqa: E402
-from torchtitan.distributed.sharded_init import every_value_initialised  # noqa: E402
+from torchtitan.autoparallel import AutoParallel, Plan
+from torchtitan.distributed.sharded_init import every_value_initialised
 
 TOL = 1e-5
 MESHES = {"dp4": ((4,), ("dp",)), "tp4": ((4,), ("tp",)), "dp2tp2": ((2, 2), ("dp", "tp"))}

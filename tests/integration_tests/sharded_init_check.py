@@ -13,18 +13,14 @@ Prints one line per case and `ALL OK`; exits non-zero on the first failure.
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 
 import torch
 import torch.nn as nn
+from rank_checks import check, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan.distributed.sharded_init import exact_sharded_init
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rank_checks import check, run_checks  # noqa: E402
 
 
 class Holder(nn.Module):

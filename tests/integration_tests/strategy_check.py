@@ -14,21 +14,15 @@ Prints one line per (mesh, op) and `ALL OK`; exits non-zero on the first failure
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.fx as fx
+from autoparallel_models import Indexing
+from rank_checks import check, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from autoparallel_models import Indexing  # noqa: E402
-from rank_checks import check, run_checks  # noqa: E402
-
-from torchtitan.autoparallel.strategies import _tensor_input_nodes, build_strategies  # noqa: E402
-from torchtitan.autoparallel.trace import trace_joint  # noqa: E402
+from torchtitan.autoparallel.strategies import _tensor_input_nodes, build_strategies
+from torchtitan.autoparallel.trace import trace_joint
 
 aten = torch.ops.aten
 INDEXING_OPS = {

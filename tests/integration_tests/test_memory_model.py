@@ -14,13 +14,8 @@ against a prediction without them misses by far more than 20% (asserted too).  A
 
 from __future__ import annotations
 
-import sys
-
+import memory_model
 import pytest
-from harness import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import memory_model  # noqa: E402
 
 MESH = "dp2tp2"
 

@@ -6,21 +6,17 @@ here tells the planner which layout to pick.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from autoparallel_models import GPT2Block, MLPStack
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration_tests"))
-from autoparallel_models import GPT2Block, MLPStack  # noqa: E402
-
-from torchtitan.autoparallel import (  # noqa: E402
+from torchtitan.autoparallel import (
     DEVICES,
     AutoParallel,
     ConstraintError,

@@ -6,20 +6,15 @@ are one collective, the next unit's gather is issued before the current unit com
 reshard-after-forward decides which units are gathered again in the backward.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from autoparallel_models import MLPStack, TiedLM
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration_tests"))
-from autoparallel_models import MLPStack, TiedLM  # noqa: E402
-
-from torchtitan.autoparallel import AutoParallel  # noqa: E402
-from torchtitan.autoparallel.buckets import AG, RS, WAIT  # noqa: E402
-from torchtitan.autoparallel.lower import param_side  # noqa: E402
+from torchtitan.autoparallel import AutoParallel
+from torchtitan.autoparallel.buckets import AG, RS, WAIT
+from torchtitan.autoparallel.lower import param_side
 
 
 @pytest.fixture

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from torchtitan.config import ConfigError, ConfigManager, JobConfig, last_wins, to_toml
+from torchtitan.config.job_config import Training
 
-from torchtitan.config import ConfigError, ConfigManager, JobConfig, last_wins, to_toml  # noqa: E402
-from torchtitan.config.job_config import Training  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv):

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from torchtitan.tools import loss_compare as lc
 
-from torchtitan.tools import loss_compare as lc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = ROOT / "scripts/loss_compare.py"
 CURVE = {1: 8.13780403137207, 2: 8.19434928894043, 3: 8.041428565979004}

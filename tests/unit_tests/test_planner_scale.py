@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plan as plan_script
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,8 +28,6 @@ from torchtitan.models.llama3.args import llama3_configs
 from torchtitan.models.llama3.model import Transformer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import plan as plan_script  # noqa: E402
 
 
 def _llama(flavor: str, **over):
