@@ -33,13 +33,11 @@ from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
 from .expand import expand_plan
-from .memory import param_chains, plan_memory
-from .plan import Plan, graph_fingerprint
+from .plan import Plan
 from .plan_cache import cached_or_solved
+from .precision import cast_edges
+from .report import solution_to_plan
 from .solver import (
-    ConsumerEdge,
-    GradEdge,
-    HubEdge,
     PlacementSolver,
     UserConstraint,
     prune_unreachable,
@@ -224,7 +222,7 @@ class AutoParallel:
             self.tg,
             self.table,
             self.estimator,
-            no_comm_edges=self._mp_no_comm_edges() if self.param_dtype is not None else (),
+            no_comm_edges=cast_edges(self.tg, self.table) if self.param_dtype is not None else (),
             regathered=regathered_params(
                 self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
             ),
@@ -394,27 +392,6 @@ class AutoParallel:
             )
         )
 
-    # ------------------------------------------------------------------ mixed precision
-    def _mp_no_comm_edges(self) -> set:  # needs self.table
-        """Edges that must not communicate: param -> its low-precision cast (gather after the
-        cast), and the gradient's high-precision cast input (reduce after the cast)."""
-        edges = set()
-        casts = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-        for pnode in self.tg.params.values():
-            for user in pnode.users:
-                if user.target in casts and user in self.table.nodes:
-                    edges.add(ConsumerEdge(user, 0))
-        for g in self.tg.grads.values():
-            if g is None or g.target not in casts or g not in self.table.nodes:
-                continue
-            # walk the single-input chain above the cast (t, view, ...) up to the op that made
-            # the gradient: a reduction anywhere on it would run in low precision
-            node = g
-            while node in self.table.nodes and len(self.table.nodes[node].sources) == 1:
-                edges.add(ConsumerEdge(node, 0))
-                node = self.table.nodes[node].sources[0][0]
-        return edges
-
     # ------------------------------------------------------------------ solve
     def optimize_placement(
         self, verbose: bool = False, broadcast: bool = False, cache_dir: str | Path | None = None
@@ -444,111 +421,9 @@ class AutoParallel:
         self._cluster()
         sol = self.solver.solve(self._constraints, self.time_limit, verbose, rep=self._rep)
         self.timings["build"], self.timings["solve"] = sol.build_s, sol.solve_s
-        plan = self._to_plan(sol)
+        plan = solution_to_plan(self, sol)
         log.info("plan:\n%s", plan.table())
         return plan
-
-    def _to_plan(self, sol) -> Plan:
-        tg, table = self.tg, self.table
-        pick = lambda node: table.nodes[node].strategies[sol.choice[node]]  # noqa: E731
-        nodes = {}
-        for node, ns in table.nodes.items():
-            if node.op != "call_function":
-                continue
-            st = pick(node)
-            nodes[node.name] = {
-                "op": str(node.target),
-                "ins": [P.fmt(p) for p in st.ins],
-                "out": [P.fmt(p) for p in st.out],
-            }
-            hubs = [sol.hubs.get((node, i)) for i in range(len(st.out))]
-            if any(h is not None for h in hubs):  # where a value shared by consumers is sent
-                nodes[node.name]["hubs"] = [P.fmt(h) if h is not None else "-" for h in hubs]
-            if tg.shallow:
-                nodes[node.name]["block"] = tg.labels.get(node)
-        fwd_comm = bwd_comm = 0.0
-        for key, us in sol.edge_comm.items():
-            if isinstance(key, (ConsumerEdge, HubEdge)):
-                us *= tg.weight(key.node)
-                forward = key.node in tg.forward_nodes
-            elif isinstance(key, GradEdge):
-                us *= tg.weight(tg.params[key.fqn])
-                forward = False
-            else:  # an output leaves the forward
-                forward = True
-            if forward:
-                fwd_comm += us
-            else:
-                bwd_comm += us
-        param_comm = self._param_comm(sol)
-        nbytes = lambda n: n.meta["val"].numel() * n.meta["val"].element_size() * tg.weight(n)  # noqa: E731
-        total = sum(nbytes(n) for n in tg.params.values())
-        local = sum(
-            nbytes(n) * P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
-            for n in tg.params.values()
-        )
-        names = list(self.mesh.mesh_dim_names or [f"dim{i}" for i in range(self.mesh.ndim)])
-        # parameters and buffers of the whole model, each read off the traced one standing for it
-        full_params = list(self.param_shapes())
-        full_buffers = [f for f, _b in self.model.named_buffers()]
-        traced = self._traced_name
-        grads = {f: P.fmt(pl) for f, pl in sol.grad_placement.items()}
-        return Plan(
-            mesh_shape=list(self.mesh.shape),
-            mesh_dim_names=names,
-            params={f: P.fmt(pick(tg.params[traced(f)]).out[0]) for f in full_params},
-            grads={f: grads[traced(f)] for f in full_params if traced(f) in grads},
-            buffers={
-                f: P.fmt(pick(tg.buffers[traced(f)]).out[0])
-                for f in full_buffers
-                if traced(f) in tg.buffers
-            },
-            inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
-            outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
-            nodes=nodes,
-            param_shapes=self.param_shapes(),
-            param_comm_us={
-                f: param_comm[traced(f)] for f in full_params if traced(f) in param_comm
-            },
-            predicted={
-                "compute_us": sol.compute_us,
-                "comm_us": sol.comm_us,
-                # parameter gathers / gradient reductions hide behind up to
-                # overlap_efficiency x compute; activation communication is exposed
-                "overlappable_comm_us": sol.overlappable_comm_us,
-                "exposed_comm_us": sol.exposed_comm_us,
-                "step_us": sol.compute_us + sol.exposed_comm_us,
-                "fwd_comm_us": fwd_comm,
-                "bwd_comm_us": bwd_comm,
-                "param_fraction": (local / total) if total else 1.0,
-                **plan_memory(tg, table, sol.choice, regathered=self.solver.regathered),
-            },
-            solver={
-                "status": sol.status,
-                "optimal": sol.optimal,
-                "gap": sol.gap,
-                "objective": sol.objective,
-                "num_vars": sol.num_vars,
-                "num_rows": sol.num_rows,
-            },
-            timings=dict(self.timings),
-            graph_fingerprint=graph_fingerprint(tg.gm),
-            blocks=[b.to_json() for b in self.blocks] if tg.shallow else [],
-        )
-
-    def _param_comm(self, sol) -> dict[str, float]:
-        """Predicted communication attributable to each parameter: redistributions of the
-        parameter and of its single-input chain (cast, transpose, view) plus its gradient's."""
-        owner = param_chains(self.tg, self.table)
-        out = {fqn: 0.0 for fqn in self.tg.params}
-        for key, us in sol.edge_comm.items():
-            if isinstance(key, GradEdge):
-                out[key.fqn] += us
-            elif isinstance(key, ConsumerEdge):  # hubs carry activations
-                src = self.table.nodes[key.node].sources[key.arg][0]
-                if src in owner:
-                    out[owner[src]] += us
-        return out
 
     # ------------------------------------------------------------------ apply
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:

@@ -121,6 +121,16 @@ def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
     return owner
 
 
+def chain_up(table: StrategyTable, start: fx.Node) -> list[fx.Node]:
+    """`start` and the producers above it while each has exactly one input (a gradient's
+    cast, transpose, views back to the op that made it)."""
+    chain, node = [], start
+    while node in table.nodes and len(table.nodes[node].sources) == 1 and node not in chain:
+        chain.append(node)
+        node = table.nodes[node].sources[0][0]
+    return chain
+
+
 def memory_terms(
     tg: TracedGraph,
     table: StrategyTable,

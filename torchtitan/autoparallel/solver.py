@@ -37,7 +37,7 @@ from torch.distributed.tensor import Replicate
 from . import placements as P
 from .cost import INF, Estimator
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
-from .memory import copy_fraction, memory_terms, param_chains, term_fraction
+from .memory import chain_up, copy_fraction, memory_terms, param_chains, term_fraction
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
@@ -296,16 +296,8 @@ class PlacementSolver:
             side = set(param_chains(self.tg, self.table))
             self._grad_side = set()
             for g in self.tg.grads.values():
-                if g is None:
-                    continue
-                node = resolve_source(g)[0]
-                while (
-                    node in self.table.nodes
-                    and len(self.table.nodes[node].sources) == 1
-                    and node not in self._grad_side
-                ):
-                    self._grad_side.add(node)
-                    node = self.table.nodes[node].sources[0][0]
+                if g is not None:
+                    self._grad_side.update(chain_up(self.table, resolve_source(g)[0]))
             self._param_side = side
         return self._param_side
 
