@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import html
 import json
 import logging
-import re
 import resource
 import sys
 import time
@@ -119,104 +117,9 @@ def validate(a):
     return shape, names
 
 
-# ---------------------------------------------------------------------------- reporting
-def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
-    """Group parameters whose FQN differs only in integer components and whose placement is
-    equal: 'layers.{0..31}.attention.wq.weight'."""
-    from torchtitan.autoparallel.plan import name_pattern
-
-    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
-    for fqn, pl in params.items():
-        parts = fqn.split(".")
-        idx = [p for p in parts if p.isdigit()]
-        key = (name_pattern(fqn), pl, tuple(shapes.get(fqn, ())))
-        groups.setdefault(key, []).append(int(idx[0]) if idx else -1)
-    rows = []
-    for (pattern, pl, shape), ids in groups.items():
-        ids = sorted(i for i in ids if i >= 0)
-        if ids:
-            rng = (
-                f"{ids[0]}..{ids[-1]}"
-                if ids == list(range(ids[0], ids[-1] + 1))
-                else ",".join(map(str, ids))
-            )
-            name = pattern.replace("*", "{" + rng + "}", 1)
-        else:
-            name = pattern
-        rows.append((name, "x".join(map(str, shape)), pl, len(ids) or 1))
-    return rows
-
-
-def describe(pl: str, names) -> str:
-    parts = pl.split(",")
-    return ", ".join(f"{n}:{p}" for n, p in zip(names, parts))
-
-
-def gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def summary_line(label: str, plan) -> str:
-    p = plan.predicted
-    comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
-    mem = p.get("peak_bytes_per_rank")
-    mem_s = (
-        ""
-        if mem is None
-        else (
-            f" | memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
-            f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
-            f"activations {gib(p['activation_bytes_per_rank'])})"
-        )
-    )
-    return (
-        f"{label:<14} step {(comp + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms "
-        f"+ exposed comm {comm / 1e3:9.2f} ms{mem_s}"
-    )
-
-
-def write_html(path: Path, plans: dict, names, mesh_shape, title: str) -> None:
-    colors = ["#e6f2ff", "#ffe0b3", "#c6f0c6", "#f0c6f0", "#fff3a0", "#d0d0ff"]
-
-    def cell(pl_item: str) -> str:
-        if pl_item == "R":
-            return '<td class="r">R</td>'
-        m = re.match(r"S\((-?\d+)\)", pl_item)
-        if m:
-            d = int(m.group(1))
-            return f'<td style="background:{colors[(d + 1) % len(colors)]}">split dim {d}</td>'
-        return f"<td>{html.escape(pl_item)}</td>"
-
-    out = [
-        f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;font-size:13px}"
-        "table{border-collapse:collapse;margin:8px 0 24px}"
-        "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left}td.r{color:#999}"
-        "h2{margin-top:28px}</style>",
-        f"<h1>{html.escape(title)}</h1>",
-        "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
-        "dim is split across that mesh dim (R = replicated).</p>",
-    ]
-    for label, plan in plans.items():
-        out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
-        out.append(
-            "<table><tr><th>parameter</th><th>shape</th>"
-            + "".join(f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape))
-            + "</tr>"
-        )
-        for fqn, pl in plan.params.items():
-            shape = "x".join(map(str, plan.param_shapes.get(fqn, [])))
-            out.append(
-                f"<tr><td>{html.escape(fqn)}</td><td>{shape}</td>"
-                + "".join(cell(x) for x in pl.split(","))
-                + "</tr>"
-            )
-        out.append("</table>")
-    path.write_text("\n".join(out))
-
-
 # ---------------------------------------------------------------------------- main
 def run(a) -> int:
+    from torchtitan.autoparallel.render import collapse, describe, summary_line, write_html
     from torchtitan.models.llama3.baseline_plans import dp_dim, fsdp_plan, fsdp_tp_plan, tp_dim
 
     shape, names = validate(a)
