@@ -38,6 +38,10 @@ from .plan_cache import cached_or_solved
 from .precision import cast_edges
 from .report import solution_to_plan
 from .solver import (
+    MemoryBudget,
+    OutputPin,
+    ParameterBudget,
+    Pin,
     PlacementSolver,
     UserConstraint,
     prune_unreachable,
@@ -238,7 +242,7 @@ class AutoParallel:
         change, so a pin never lands on a group shared with an unpinned node."""
         if not self.share_repeated:
             return
-        pinned = frozenset(c.node for c in self._constraints if c.node is not None)
+        pinned = frozenset(c.node for c in self._constraints if isinstance(c, Pin))
         if self._clustered_for == pinned:
             return
         names = {n: f for f, n in {**self.tg.params, **self.tg.buffers}.items()}
@@ -296,11 +300,9 @@ class AutoParallel:
                 raise ConstraintError(f"parameter memory {name}={v} must be in [0, 1]")
         if low is not None and low > high:
             raise ConstraintError(f"parameter memory low={low} > high={high}")
-        self._constraints = [c for c in self._constraints if c.kind != "mem"]
+        self._constraints = [c for c in self._constraints if not isinstance(c, ParameterBudget)]
         self._constraints.append(
-            UserConstraint(
-                f"parameter memory budget low={low} high={high:.4g}", "mem", low=low, high=high
-            )
+            ParameterBudget(f"parameter memory budget low={low} high={high:.4g}", low, high)
         )
 
     def add_memory_constraint(self, bytes_per_rank: int | float) -> None:
@@ -311,12 +313,10 @@ class AutoParallel:
             raise ConstraintError(
                 f"memory budget must be a positive number of bytes, got {bytes_per_rank}"
             )
-        self._constraints = [c for c in self._constraints if c.kind != "bytes"]
+        self._constraints = [c for c in self._constraints if not isinstance(c, MemoryBudget)]
         self._constraints.append(
-            UserConstraint(
-                f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank",
-                "bytes",
-                high=float(bytes_per_rank),
+            MemoryBudget(
+                f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank", float(bytes_per_rank)
             )
         )
 
@@ -325,9 +325,7 @@ class AutoParallel:
         self._pin_each(
             "input",
             placements,
-            lambda i, pl: UserConstraint(
-                f"input {i} pinned to {P.fmt(pl)}", "pin", node=self.tg.inputs[i], placement=pl
-            ),
+            lambda i, pl: Pin(f"input {i} pinned to {P.fmt(pl)}", self.tg.inputs[i], pl),
         )
         for i, pl in enumerate(placements):
             if pl is not None:
@@ -353,9 +351,7 @@ class AutoParallel:
         self._pin_each(
             "output",
             placements,
-            lambda i, pl: UserConstraint(
-                f"output {i} pinned to {P.fmt(pl)}", "pin", sink=i, placement=pl
-            ),
+            lambda i, pl: OutputPin(f"output {i} pinned to {P.fmt(pl)}", i, pl),
         )
 
     def _pin_each(self, what: str, placements, make_constraint) -> None:
@@ -379,18 +375,14 @@ class AutoParallel:
         pl = self._check_placements(f"parameter '{fqn}'", placements)
         node = self.tg.params[self._traced_name(fqn)]
         for c in self._constraints:
-            if c.kind == "pin" and c.node is node:
+            if isinstance(c, Pin) and c.node is node:
                 if c.placement != pl:
                     raise ConstraintError(
                         f"parameter '{fqn}' pinned to {P.fmt(pl)}, but {c.name}: identical "
                         "repeated blocks share one placement (use share_repeated=False)"
                     )
                 return
-        self._constraints.append(
-            UserConstraint(
-                f"parameter '{fqn}' pinned to {P.fmt(pl)}", "pin", node=node, placement=pl
-            )
-        )
+        self._constraints.append(Pin(f"parameter '{fqn}' pinned to {P.fmt(pl)}", node, pl))
 
     # ------------------------------------------------------------------ solve
     def optimize_placement(

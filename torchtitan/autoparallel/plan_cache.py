@@ -10,6 +10,7 @@ the cost model and the torch version.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -28,15 +29,19 @@ log = logging.getLogger(__name__)
 
 def plan_key(autop: Any) -> str:
     constraints = [
-        [
-            c.name,
-            c.kind,
-            c.node.name if c.node is not None else None,
-            P.fmt(c.placement) if c.placement is not None else None,
-            c.sink,
-            c.low,
-            c.high,
-        ]
+        {
+            "type": type(c).__name__,
+            **{
+                f.name: (
+                    getattr(c, f.name).name
+                    if f.name == "node"
+                    else P.fmt(getattr(c, f.name))
+                    if f.name == "placement"
+                    else getattr(c, f.name)
+                )
+                for f in dataclasses.fields(c)
+            },
+        }
         for c in autop._constraints
     ]
     blob = json.dumps(

@@ -1,4 +1,4 @@
-"""Stage 5 (report): the solver's Solution written as a Plan — placements, predicted
+"""Stage 4b (report): the solver's Solution written as a Plan — placements, predicted
 compute and communication (forward / backward, per parameter), memory per rank, solver
 facts — for the whole model."""
 

@@ -46,15 +46,42 @@ log = logging.getLogger(__name__)
 TIE_BREAK_US = 0.01
 
 
-@dataclass
-class UserConstraint:
+@dataclass(frozen=True)
+class Pin:
+    """Node `node` (an input or parameter placeholder) outputs `placement`."""
+
     name: str  # human-readable, used in error messages
-    kind: str  # "pin" | "mem"
-    node: fx.Node | None = None
-    placement: P.Placements | None = None
-    sink: int | None = None  # output index for output pins
-    low: float | None = None
-    high: float | None = None
+    node: fx.Node
+    placement: P.Placements
+
+
+@dataclass(frozen=True)
+class OutputPin:
+    """Forward output `index` leaves the graph in `placement`."""
+
+    name: str
+    index: int
+    placement: P.Placements
+
+
+@dataclass(frozen=True)
+class ParameterBudget:
+    """Parameter bytes per rank between `low` and `high`, as fractions of all of them."""
+
+    name: str
+    low: float | None
+    high: float
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Predicted bytes per rank (memory.py) at most `bytes_per_rank`."""
+
+    name: str
+    bytes_per_rank: float
+
+
+UserConstraint = Pin | OutputPin | ParameterBudget | MemoryBudget
 
 
 @dataclass
@@ -383,11 +410,11 @@ class PlacementSolver:
         program.add_output_sinks()
         program.add_gradient_sinks()
         for c in constraints:
-            if c.kind == "pin":
+            if isinstance(c, (Pin, OutputPin)):
                 program.add_pin(c)
-            elif c.kind == "mem":
+            elif isinstance(c, ParameterBudget):
                 program.add_parameter_budget(c)
-            elif c.kind == "bytes":
+            else:
                 program.add_memory_budget(c)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -597,11 +624,11 @@ class _Program:
             self._link(src, {pl: [v] for pl, v in w.items()}, [GradEdge(f) for f in fqns])
             _tie(self.m, w, self.table.nodes[pnode], self.xvars[pnode])
 
-    def add_pin(self, c: UserConstraint) -> None:
+    def add_pin(self, c: Pin | OutputPin) -> None:
         """x[n, s] = 1 (lower bound) for the strategy whose output is the pinned placement;
         for an output pin, w[k, p] = 1."""
-        if c.sink is not None:
-            w = self.sink_vars[c.sink]
+        if isinstance(c, OutputPin):
+            w = self.sink_vars[c.index]
             if c.placement not in w:
                 raise ConstraintError(f"{c.name}: placement not valid for the output's shape")
             self.m.lb[w[c.placement]] = 1.0
@@ -612,7 +639,7 @@ class _Program:
             raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
         self.m.lb[self.xvars[c.node][idx[0]]] = 1.0
 
-    def add_parameter_budget(self, c: UserConstraint) -> None:
+    def add_parameter_budget(self, c: ParameterBudget) -> None:
         """low <= sum_p bytes(p)/total * sum_s shard_fraction(p, s) x[p, s] <= high, in units of
         all parameter bytes (a well-scaled row); each bound is raised to what the smallest
         shard of every parameter allows."""
@@ -631,7 +658,7 @@ class _Program:
             for s, f in enumerate(fr):
                 terms.append((self.xvars[pnode][s], b * f))
             fmin = min(fr)
-            hi_bound += b * max(fmin, c.high if c.high is not None else 1.0)
+            hi_bound += b * max(fmin, c.high)
             lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
         self.m.row(
             terms,
@@ -639,7 +666,7 @@ class _Program:
             hi_bound * (1 + 1e-9),
         )
 
-    def add_memory_budget(self, c: UserConstraint) -> None:
+    def add_memory_budget(self, c: MemoryBudget) -> None:
         """sum over memory terms (memory.py: params, grads, optimizer state, saved
         activations) of bytes * fraction(chosen strategy or redistribution) <= budget,
         divided by the budget so the coefficients are O(1).  A copy held on an edge counts
@@ -654,12 +681,12 @@ class _Program:
                 for y, o, r in on_edge + on_hub:
                     f = copy_fraction(t, table, o, r)
                     if f:
-                        terms.append((y, t.full_bytes * weight(t.node) * f / c.high))
+                        terms.append((y, t.full_bytes * weight(t.node) * f / c.bytes_per_rank))
                 continue
             xs = self.xvars[t.node]
             for s in range(len(xs)):
                 frac = term_fraction(t, table, s)
-                terms.append((xs[s], t.full_bytes * weight(t.node) * frac / c.high))
+                terms.append((xs[s], t.full_bytes * weight(t.node) * frac / c.bytes_per_rank))
         self.m.row(terms, -highspy.kHighsInf, 1.0)
 
     # ---------------------------------------------------------------- reading the answer
