@@ -5,6 +5,9 @@
 * `module_fake_world` — one fake process group for a whole test module, of the module's
   `FAKE_WORLD_SIZE` (default 4); use it with
   `pytestmark = pytest.mark.usefixtures("module_fake_world")`.
+* `train_on_ranks` — `train_on_ranks(nproc, args)` trains the debug Llama 3 (the harness's
+  fast settings, then `args`) on `nproc` gloo ranks into the test's `tmp_path` (or
+  `folder=`) and returns the checked `Run` (losses, output, dump folder).
 * the `slow` mark — set on every test under `integration_tests/` (they start real torchrun
   jobs), so `pytest -m "not slow"` is the fast loop.
 """
@@ -42,6 +45,16 @@ def module_fake_world(request):
     size = getattr(request.module, "FAKE_WORLD_SIZE", 4)
     with _fake_process_group(size):
         yield size
+
+
+@pytest.fixture
+def train_on_ranks(tmp_path):
+    from harness import run_training  # tests/integration_tests, on pytest's pythonpath
+
+    def train(nproc: int, args, folder: Path | None = None, **kwargs):
+        return run_training(nproc, list(args), folder or tmp_path, **kwargs).check()
+
+    return train
 
 
 def pytest_collection_modifyitems(config, items):

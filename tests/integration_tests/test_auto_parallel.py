@@ -35,8 +35,8 @@ def dp2_tp2_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", ["dp4", "tp4"])
-def test_auto_parallel_matches_1rank(mesh, tmp_path):
-    run = run_training(4, [*AUTO, *MESHES[mesh]], tmp_path).check()
+def test_auto_parallel_matches_1rank(mesh, train_on_ranks):
+    run = train_on_ranks(4, [*AUTO, *MESHES[mesh]])
     assert "auto-parallel planning took" in run.output
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=f"auto {mesh} vs 1 rank")
 
@@ -47,13 +47,13 @@ def test_auto_parallel_dp2_tp2_matches_1rank_and_learns(dp2_tp2_run):
     assert losses[10] < losses[1]
 
 
-def test_resume_is_bitwise_and_plan_is_reused(dp2_tp2_run, tmp_path):
+def test_resume_is_bitwise_and_plan_is_reused(dp2_tp2_run, tmp_path, train_on_ranks):
     full = dp2_tp2_run.losses()
     shutil.copytree(dp2_tp2_run.dump_folder / "plans", tmp_path / "plans")
     args = [*AUTO, *MESHES["dp2_tp2"], *CKPT]
-    first = run_training(4, [*args, "--training.stop_at_step", "5"], tmp_path).check()
+    first = train_on_ranks(4, [*args, "--training.stop_at_step", "5"])
     assert "reusing cached plan" in first.output
-    resumed = run_training(4, args, tmp_path).check()
+    resumed = train_on_ranks(4, args)
     assert "loaded checkpoint step-5" in resumed.output
     losses = resumed.losses()
     assert {s: losses[s] for s in range(6, 11)} == {s: full[s] for s in range(6, 11)}

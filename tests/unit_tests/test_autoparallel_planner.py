@@ -419,13 +419,13 @@ def test_a_plan_read_from_a_file_is_checked_against_the_model_and_mesh():
 
 
 def test_a_private_torch_api_that_moved_is_named_not_skipped():
-    from torchtitan.autoparallel import torch_private
+    from torchtitan import torch_private
 
     with pytest.raises(ImportError) as err:
         torch_private._require("torch.distributed.tensor._ops.utils", "no_such_helper")
     message = str(err.value)
     assert message.startswith(
-        "the auto-parallel planner needs torch.distributed.tensor._ops.utils.{no_such_helper}"
+        "torchtitan needs torch.distributed.tensor._ops.utils.{no_such_helper}"
     )
     assert f"torch {torch.__version__} does not provide it" in message
     assert f"tested with torch=={torch_private.TESTED_WITH}" in message

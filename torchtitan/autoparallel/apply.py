@@ -31,13 +31,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils import _pytree as pytree
+
+from torchtitan.torch_private import compute_local_shape_and_global_offset, pytree
 
 from . import placements as P
 from .errors import PlannerError
 from .graph_nodes import is_getitem
 from .plan import Plan, graph_fingerprint
-from .torch_private import compute_local_shape_and_global_offset
 from .trace import TracedGraph
 
 

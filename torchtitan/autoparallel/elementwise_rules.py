@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .torch_private import register_single_dim_pointwise
+from torchtitan.torch_private import register_single_dim_pointwise
 
 _aten = torch.ops.aten
 

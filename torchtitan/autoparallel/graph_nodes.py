@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .torch_private import TensorMeta
+from torchtitan.torch_private import TensorMeta
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -29,11 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Shard
 
-from . import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
-from . import placements as P
-from .errors import UnsupportedOpError
-from .graph_nodes import is_getitem, out_metas, tensor_meta
-from .torch_private import (
+from torchtitan.torch_private import (
     REDISTRIBUTE_COST_MODULES,
     DTensorSpec,
     OpSchema,
@@ -47,6 +43,11 @@ from .torch_private import (
     get_num_tensor_inputs,
     insert_single_dim_replication_strategy,
 )
+
+from . import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
+from . import placements as P
+from .errors import UnsupportedOpError
+from .graph_nodes import is_getitem, out_metas, tensor_meta
 from .trace import TracedGraph
 
 log = logging.getLogger(__name__)

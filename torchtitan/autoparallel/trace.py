@@ -25,12 +25,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils import _pytree as pytree
 
-from . import repeat
-from .attention import route_attention
-from .errors import PlannerError
-from .torch_private import (
+from torchtitan.torch_private import (
     DataDependentOutputException,
     FakeTensorMode,
     GradAOTOutput,
@@ -38,7 +34,12 @@ from .torch_private import (
     aot_export_joint_with_descriptors,
     compile_session_context,
     fx_utils,
+    pytree,
 )
+
+from . import repeat
+from .attention import route_attention
+from .errors import PlannerError
 
 
 @dataclass

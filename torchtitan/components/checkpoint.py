@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
+from torchtitan.torch_private import set_element
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"step-(\d+)\.tmp-.*")
@@ -267,8 +268,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj

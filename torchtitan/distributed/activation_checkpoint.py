@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
+from torchtitan.torch_private import checkpoint_wrapper
 
 _aten = torch.ops.aten
 

@@ -32,10 +32,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_any, tree_map_only
+
+from torchtitan.torch_private import (
+    TorchDispatchMode,
+    compute_local_shape_and_global_offset,
+    get_current_dispatch_mode_stack,
+    pytree,
+)
 
 _aten = torch.ops.aten
 
@@ -97,7 +101,7 @@ class _ExactShardedInit(TorchDispatchMode):
             and id(target) in self.views
         ):
             return self._on_full_view(func, target, args, kwargs)
-        if not tree_any(lambda a: isinstance(a, DTensor), (args, kwargs)):
+        if not pytree.tree_any(lambda a: isinstance(a, DTensor), (args, kwargs)):
             return func(*args, **kwargs)
         try:
             with implicit_replication():
@@ -125,7 +129,7 @@ class _ExactShardedInit(TorchDispatchMode):
             # DTensor redistributed to build this view: a write into it would be lost
             full = target.full_tensor()
             view = func(
-                full, *tree_map_only(DTensor, lambda d: d.full_tensor(), args[1:]), **kwargs
+                full, *pytree.tree_map_only(DTensor, lambda d: d.full_tensor(), args[1:]), **kwargs
             )
             self.views[id(view)] = (full, target)
             return view
@@ -150,14 +154,14 @@ class _ExactShardedInit(TorchDispatchMode):
 
     def _inplace_on_full(self, func, target: DTensor, args, kwargs):
         full = target.full_tensor()
-        rest = tree_map_only(DTensor, lambda d: d.full_tensor(), (args[1:], kwargs))
+        rest = pytree.tree_map_only(DTensor, lambda d: d.full_tensor(), (args[1:], kwargs))
         func(full, *rest[0], **rest[1])
         target._local_tensor.copy_(_local_slice(full, target))
         return target
 
 
 def _dispatch_modes() -> list:
-    return list(_get_current_dispatch_mode_stack())
+    return list(get_current_dispatch_mode_stack())
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -26,6 +25,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
+from torchtitan.torch_private import replicate
 
 
 def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_config: Any) -> None:

@@ -1,10 +1,12 @@
-"""Every private torch API the planner uses, imported in one place.
+"""Every private torch API the project uses, imported in one place.
 
 torch promises nothing about these names (underscore modules, DTensor's strategy
-machinery, AOTAutograd's joint export); this module is the one to update when a torch
-release moves one.  A name the installed torch lacks is an `ImportError` naming it, the
-installed torch and the one the planner is tested with — at import, never a silent
-fallback.  Public torch APIs are imported where they are used.
+machinery, AOTAutograd's joint export, FSDP's helpers); this module is the one to update
+when a torch release moves one.  A name the installed torch lacks is an `ImportError`
+naming it, the installed torch and the one the project is tested with — at import, never
+a silent fallback.  Public torch APIs are imported where they are used; so is inductor
+(`torch._inductor.*`, slow to import and only needed with `--compile.enable`), whose knobs
+`distributed/inductor_comms.py` checks against the installed torch itself.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ def _require(module: str, *names: str) -> list[Any]:
         return [_attribute_or_submodule(mod, name) for name in names]
     except ImportError as e:
         raise ImportError(
-            f"the auto-parallel planner needs {module}.{{{', '.join(names)}}} ({e}); torch "
-            f"{torch.__version__} does not provide it — the planner is tested with torch=="
-            f"{TESTED_WITH} (see torchtitan/autoparallel/torch_private.py)"
+            f"torchtitan needs {module}.{{{', '.join(names)}}} ({e}); torch "
+            f"{torch.__version__} does not provide it — torchtitan is tested with torch=="
+            f"{TESTED_WITH} (see torchtitan/torch_private.py)"
         ) from None
 
 
@@ -97,3 +99,16 @@ REDISTRIBUTE_COST_MODULES = [
     )
 ]
 _require(REDISTRIBUTE_COST_MODULES[0], "generate_redistribute_costs")
+
+# pytrees, dispatch modes
+(pytree,) = _require("torch.utils", "_pytree")
+TorchDispatchMode, get_current_dispatch_mode_stack = _require(
+    "torch.utils._python_dispatch", "TorchDispatchMode", "_get_current_dispatch_mode_stack"
+)
+
+# the manual baseline's DDP and activation checkpointing, DCP's nested state dicts
+(replicate,) = _require("torch.distributed._composable.replicate", "replicate")
+(checkpoint_wrapper,) = _require(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"
+)
+(set_element,) = _require("torch.distributed.checkpoint._nested_dict", "set_element")
