@@ -115,21 +115,29 @@ def _kill_ranks_after_failure(folder: Path) -> set[int]:
     return killed
 
 
+def _died_on_its_own(failure, killed_here: set[int]) -> bool:
+    """A rank death by a signal that neither torchrun (SIGTERM, when it stops the ranks
+    left after a failure) nor this launcher (SIGKILL, `_kill_ranks_after_failure`) sent:
+    the OOM killer, a segfault, an abort."""
+    name = failure.signal_name()
+    return name not in ("<N/A>", "SIGTERM") and failure.pid not in killed_here
+
+
 def _failure_line(folder: Path, failures: dict, killed_here: set[int]) -> str:
-    """Which failure to tell the user about.  A rank that died from a signal nobody here
-    sent (the OOM killer, a segfault) writes no report, and its peers then fail with
-    secondary errors ("connection closed"), so such a death wins over every report but an
-    input error; otherwise the report `first_report` picks."""
+    """Which failure to tell the user about.  A rank that died on its own writes no report,
+    and its peers then fail with secondary errors ("connection closed"), so such a death
+    wins over every report but an input error; otherwise the report `first_report` picks,
+    and without any report the first rank torchrun saw fail."""
     report = rank_errors.first_report(folder)
     reported = {r["rank"] for r in rank_errors.read_reports(folder)}
     died = {
-        rank: f for rank, f in failures.items() if rank not in reported and f.pid not in killed_here
+        rank: f
+        for rank, f in failures.items()
+        if rank not in reported and _died_on_its_own(f, killed_here)
     }
     if report is not None and (report["user_error"] or not died):
         return report["line"]
-    if not died:
-        died = failures
-    rank, failure = min(died.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    rank, failure = min((died or failures).items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     how = (
         f"signal {failure.signal_name()}"
         if failure.signal_name() != "<N/A>"

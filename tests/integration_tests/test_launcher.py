@@ -99,7 +99,9 @@ def test_a_rank_failure_is_one_line_from_that_rank(spec, line, tmp_path):
         )
     )
     assert json.loads((logs / "error_rank1.json").read_text())["rank"] == 1
-    assert "failed (exitcode: 2) local_rank: 1" in (logs / "launcher.log").read_text()
+    # torchrun's own account goes to the log (which rank it saw first is a race: rank 0
+    # fails too, on the closed connection, moments after rank 1)
+    assert "failed (exitcode: 2) local_rank: " in (logs / "launcher.log").read_text()
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
