@@ -1,14 +1,10 @@
 """`scripts/check_import_cycles.py`: the package has no import circle, and one is found."""
 
-import importlib.util
 from pathlib import Path
 
+import check_import_cycles  # scripts/, on pytest's pythonpath
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location(
-    "check_import_cycles", REPO / "scripts" / "check_import_cycles.py"
-)
-check_import_cycles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_import_cycles)
 
 
 def test_torchtitan_has_no_import_circle(capsys):
