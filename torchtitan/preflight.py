@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torchtitan.config import main_parse
 from torchtitan.config.validate import validate_job_config
-from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallel_dims import ParallelDims, mesh_search_requested
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 
@@ -61,23 +61,32 @@ def check(job_config, world_size: int) -> str:
     """Raise `UserInputError` for the first problem; else a line saying what was checked."""
     from torchtitan.datasets import check_dataset
     from torchtitan.distributed.inductor_comms import inductor_settings
-    from torchtitan.train import grad_accumulation_steps, resolve_model_args
+    from torchtitan.train import (
+        check_mesh_search_possible,
+        grad_accumulation_steps,
+        resolve_model_args,
+    )
 
     validate_job_config(job_config)
     import_custom_module(job_config.experimental.custom_import)
-    dims = ParallelDims.from_config(job_config.parallelism, world_size)
     inductor_settings(job_config.compile)
     spec = get_train_spec(job_config.model.name)
     tokenizer = spec.build_tokenizer_fn(job_config)
     model_args = resolve_model_args(spec, job_config, tokenizer)
-    if spec.check_parallelism_fn is not None:
-        spec.check_parallelism_fn(model_args, dims, job_config)
-    grad_accumulation_steps(job_config.training, dims.dp_degree)
+    if mesh_search_requested(job_config.parallelism):
+        # the mesh (and with it the batch split) is the spec's mesh search's, at start
+        check_mesh_search_possible(spec, job_config.parallelism)
+        mesh = "auto (the spec's mesh search plans every candidate at start)"
+    else:
+        dims = ParallelDims.from_config(job_config.parallelism, world_size)
+        if spec.check_parallelism_fn is not None:
+            spec.check_parallelism_fn(model_args, dims, job_config)
+        grad_accumulation_steps(job_config.training, dims.dp_degree)
+        mesh = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp} (replicate x shard x tp)"
     data = check_dataset(job_config.training)
     for folder, option in output_folders(job_config):
         check_writable_folder(folder, option)
-    mesh = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp}"
-    return f"preflight: mesh {mesh} (replicate x shard x tp), data {data}"
+    return f"preflight: mesh {mesh}, data {data}"
 
 
 def main(argv: list[str]) -> None:

@@ -112,3 +112,21 @@ TorchDispatchMode, get_current_dispatch_mode_stack = _require(
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"
 )
 (set_element,) = _require("torch.distributed.checkpoint._nested_dict", "set_element")
+
+
+def planning_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A `DeviceMesh` over ranks 0..prod(shape)-1 with no process groups behind it
+    (DeviceMesh's private `_init_backend=False`): one rank can plan for meshes the job
+    never builds, without a collective that every rank would have to join."""
+    import inspect
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "_init_backend" not in inspect.signature(DeviceMesh.__init__).parameters:
+        raise ImportError(
+            f"torchtitan needs DeviceMesh(..., _init_backend=False); torch "
+            f"{torch.__version__} does not provide it — torchtitan is tested with torch=="
+            f"{TESTED_WITH} (see torchtitan/torch_private.py)"
+        )
+    ranks = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)

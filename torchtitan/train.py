@@ -29,6 +29,12 @@ from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
+from torchtitan.distributed.parallel_dims import (
+    AUTO,
+    DEGREES,
+    ParallelismConfigError,
+    mesh_search_requested,
+)
 from torchtitan.distributed.sharded_init import every_value_initialised, exact_sharded_init
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
@@ -60,6 +66,43 @@ def resolve_model_args(spec: Any, job_config: JobConfig, tokenizer: Any) -> Any:
     model_args = copy.deepcopy(spec.flavors[flavor])  # may explain a bad flavor itself
     model_args.update_from_config(job_config, tokenizer)
     return model_args
+
+
+def resolve_auto_parallelism(spec, model, model_args, job_config, world_size: int) -> None:
+    """Replace `auto` parallelism degrees by the spec's mesh search (`choose_mesh_fn`).
+
+    Every candidate mesh trains the same global batch: `global_batch_size`, or what a
+    pure data-parallel mesh of this world gives (`local_batch_size` x world size); the
+    chosen mesh's data-parallel ranks split it in one micro-batch each."""
+    parallelism, training = job_config.parallelism, job_config.training
+    if not mesh_search_requested(parallelism):
+        return
+    check_mesh_search_possible(spec, parallelism)
+    global_batch = (
+        training.global_batch_size
+        if training.global_batch_size > 0
+        else training.local_batch_size * world_size
+    )
+    degrees = spec.choose_mesh_fn(model, model_args, job_config, world_size, global_batch)
+    for name, option in DEGREES:
+        setattr(parallelism, option, degrees[name])
+    training.local_batch_size = global_batch // (degrees["dp_replicate"] * degrees["dp_shard"])
+    training.global_batch_size = global_batch
+    logger.info(
+        "mesh search chose "
+        + ", ".join(f"{o} {degrees[n]}" for n, o in DEGREES)
+        + f"; global batch {global_batch}, local batch {training.local_batch_size}"
+    )
+
+
+def check_mesh_search_possible(spec, parallelism) -> None:
+    """`auto` needs a spec that can choose its mesh."""
+    if spec.choose_mesh_fn is None:
+        option = next(o for _, o in DEGREES if getattr(parallelism, o) == AUTO)
+        raise ParallelismConfigError(
+            f"--parallelism.{option} auto: the {spec.name} spec cannot choose its mesh "
+            "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+        )
 
 
 def _use_rank_inductor_cache(rank: int) -> None:
@@ -99,25 +142,25 @@ class Trainer:
         self.device = torch.device(dist_utils.device_type())
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.train_spec = spec = get_train_spec(job_config.model.name)
+        self.tokenizer = spec.build_tokenizer_fn(job_config)
+        model_args = resolve_model_args(spec, job_config, self.tokenizer)
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        resolve_auto_parallelism(spec, model, model_args, job_config, world_size)
+
         self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
         self.parallel_dims.build_mesh(self.device.type)
         self.dp_mesh = self.parallel_dims.dp_mesh()
         dp_degree = self.parallel_dims.dp_degree
         dp_rank = self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
         dist_utils.set_determinism(job_config.training.seed, job_config.training.deterministic)
-
-        self.train_spec = spec = get_train_spec(job_config.model.name)
-        self.tokenizer = spec.build_tokenizer_fn(job_config)
         self.dataloader = spec.build_dataloader_fn(dp_degree, dp_rank, self.tokenizer, job_config)
 
         training = job_config.training
         self.grad_accumulation_steps = grad_accumulation_steps(training, dp_degree)
-
-        model_args = resolve_model_args(spec, job_config, self.tokenizer)
         if spec.check_parallelism_fn is not None:
             spec.check_parallelism_fn(model_args, self.parallel_dims, job_config)
-        with torch.device("meta"):
-            model = spec.model_cls(model_args)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
         logger.info(
             f"{job_config.job.description}: {spec.name} {job_config.model.flavor}, "

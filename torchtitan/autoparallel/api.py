@@ -14,6 +14,7 @@ JSON) and returns the parallel module.  Stage timings are logged and stored in `
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -184,6 +185,23 @@ class AutoParallel:
                 ", ".join(f"{b.container} x{len(b.keys)}" for b in self.blocks),
             )
         return self
+
+    def on_mesh(self, mesh: DeviceMesh) -> "AutoParallel":
+        """The same model, trace and settings on another mesh, with no constraints yet.
+
+        The trace holds global shapes only, so it is shared; strategies, costs and the
+        program are the new mesh's own (built on first use).  The mesh search plans every
+        candidate this way from one trace."""
+        self._require_entered()
+        if not isinstance(mesh, DeviceMesh):
+            raise PlannerError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        other = copy.copy(self)
+        other.mesh = mesh
+        other.timings = {"trace": 0.0}
+        other._constraints = []
+        other.table = None
+        other._clustered_for = other._rep = None
+        return other
 
     def param_shapes(self) -> dict[str, list[int]]:
         """Shape of every parameter of the model, by its fully qualified name."""

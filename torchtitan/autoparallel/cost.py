@@ -76,6 +76,9 @@ class CostModel:
     intra: LinkSpec | None = None
     inter: LinkSpec | None = None
     gpus_per_node: int = 8
+    # Mesh search: no tensor-parallel degree above gpus_per_node is tried (TP's per-layer
+    # activation collectives are only worth it on the intra-node link).
+    tp_within_node: bool = True
     # Fraction of parameter-side communication (gathers of parameters before use,
     # reductions of gradients after: FSDP prefetching, DDP bucketed all-reduce) hidden
     # behind compute of neighbouring layers.  Activation communication (TP) sits on the

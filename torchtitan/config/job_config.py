@@ -142,14 +142,20 @@ class Parallelism:
     """How the world is split into a device mesh. The product of all degrees equals the world
     size."""
 
-    data_parallel_replicate_degree: int = 1
-    """Number of model replicas (DDP, or the replicate dimension of HSDP)."""
+    data_parallel_replicate_degree: int | Literal["auto"] = 1
+    """Number of model replicas (DDP, or the replicate dimension of HSDP); auto: chosen by
+    the mesh search (see tensor_parallel_degree)."""
 
-    data_parallel_shard_degree: int = -1
-    """FSDP shard degree. -1 means whatever is left of the world after the other degrees."""
+    data_parallel_shard_degree: int | Literal["auto"] = -1
+    """FSDP shard degree. -1 means whatever is left of the world after the other degrees
+    (with the others auto: left to the mesh search, like auto)."""
 
-    tensor_parallel_degree: int = 1
-    """Tensor-parallel degree (1 disables TP)."""
+    tensor_parallel_degree: int | Literal["auto"] = 1
+    """Tensor-parallel degree (1 disables TP). auto: the spec plans every mesh the world
+    factors into (over the degrees given as auto, and the shard degree when -1) and trains
+    on the cheapest that fits (planner specs only). The global batch then stays what a
+    pure data-parallel mesh gives (global_batch_size, or local_batch_size x world size) and
+    local_batch_size becomes its share per data-parallel rank."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (saves memory), never (saves an

@@ -98,6 +98,13 @@ def _convert(tp: Any, raw: Any, from_cli: bool) -> Any:
         return None
     got = f"got {raw!r}" if from_cli else f"got {raw!r} ({type(raw).__name__})"
     origin = typing.get_origin(base)
+    if origin in (typing.Union, types.UnionType):  # e.g. int | Literal["auto"]: first that fits
+        for member in typing.get_args(base):
+            try:
+                return _convert(member, raw, from_cli)
+            except _BadValue:
+                pass
+        raise _BadValue(f"expected {_type_label(base).lower()}, {got}")
     if origin is Literal:
         choices = typing.get_args(base)
         for choice in choices:
@@ -163,7 +170,9 @@ def _unknown(cls: type, parents: list[str], name: str, where: str) -> ConfigErro
 def _type_label(tp: Any) -> str:
     base, optional = _strip_optional(tp)
     origin = typing.get_origin(base)
-    if origin is Literal:
+    if origin in (typing.Union, types.UnionType):
+        label = "|".join(_type_label(member) for member in typing.get_args(base))
+    elif origin is Literal:
         label = "{" + ",".join(str(c) for c in typing.get_args(base)) + "}"
     elif origin is list:
         label = _type_label((typing.get_args(base) or (str,))[0]) + "[,...]"

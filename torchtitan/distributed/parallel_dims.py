@@ -13,6 +13,37 @@ class ParallelismConfigError(UserInputError):
     pass
 
 
+AUTO = "auto"
+DEGREES = (  # (ParallelDims field, its --parallelism option), outermost mesh dim first
+    ("dp_replicate", "data_parallel_replicate_degree"),
+    ("dp_shard", "data_parallel_shard_degree"),
+    ("tp", "tensor_parallel_degree"),
+)
+
+
+def mesh_search_requested(parallelism) -> bool:
+    """Whether any degree is `auto` (left to the spec's mesh search)."""
+    return any(getattr(parallelism, option) == AUTO for _, option in DEGREES)
+
+
+def open_degrees(parallelism) -> dict[str, int | None]:
+    """Each degree by ParallelDims name: its size, or None when the mesh search chooses it
+    (`auto`, and the shard degree's -1 when another degree is auto)."""
+    out: dict[str, int | None] = {}
+    for name, option in DEGREES:
+        value = getattr(parallelism, option)
+        out[name] = None if value == AUTO or (name == "dp_shard" and value == -1) else value
+    return out
+
+
+def mesh_dims(dp_replicate: int, dp_shard: int, tp: int) -> list[tuple[str, int]]:
+    """(name, size) of the mesh dims a job with these degrees has: those of size > 1, or one
+    `dp_shard` dim of size 1 on a single rank (uniform code paths)."""
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    dims = [(name, sizes[name]) for name, _ in DEGREES if sizes[name] > 1]
+    return dims or [("dp_shard", 1)]
+
+
 @dataclass
 class ParallelDims:
     """Degrees from `[parallelism]`, validated against the world size.
@@ -32,6 +63,16 @@ class ParallelDims:
     _flat_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        for name, degree in (
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("tp", self.tp),
+        ):
+            if degree == AUTO:
+                option = dict(DEGREES)[name]
+                raise ParallelismConfigError(
+                    f"--parallelism.{option} auto: no mesh search chose it; give a number"
+                )
         for name, degree in (
             ("data_parallel_replicate_degree", self.dp_replicate),
             ("tensor_parallel_degree", self.tp),
@@ -71,17 +112,7 @@ class ParallelDims:
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        dims = [
-            (n, d)
-            for n, d in (
-                ("dp_replicate", self.dp_replicate),
-                ("dp_shard", self.dp_shard),
-                ("tp", self.tp),
-            )
-            if d > 1
-        ]
-        if not dims:  # a single rank: a 1-element mesh keeps the code paths uniform
-            dims = [("dp_shard", 1)]
+        dims = mesh_dims(self.dp_replicate, self.dp_shard, self.tp)
         names = tuple(n for n, _ in dims)
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         dp_names = tuple(n for n in names if n.startswith("dp_"))

@@ -24,6 +24,11 @@ class BaseModelArgs:
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         raise NotImplementedError
 
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """Sizes a Megatron-style tensor-parallel degree must divide (heads, hidden sizes,
+        vocabulary), by name; empty when the model states none."""
+        return {}
+
 
 class ModelProtocol(Protocol):
     """A model the trainer can build on meta and then materialise.

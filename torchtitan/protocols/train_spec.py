@@ -42,6 +42,10 @@ class TrainSpec:
     """(model_args, parallel_dims, job_config) -> None: raises `UserInputError` for a mesh
     `parallelize_fn` cannot apply (e.g. a tp degree that does not divide the heads).  Run
     before any rank starts (preflight) and again by the trainer; None accepts any mesh."""
+    choose_mesh_fn: Callable[..., dict[str, int]] | None = None
+    """(meta model, model_args, job_config, world_size, global_batch) -> degrees
+    {"dp_replicate", "dp_shard", "tp"} for a job that leaves some to `auto`; called on every
+    rank before the mesh exists.  None: the spec cannot choose (`auto` is an error)."""
 
 
 class UnknownTrainSpecError(UserInputError):

@@ -6,6 +6,7 @@ only the parallelisation differs — and the trainer cannot tell.
 
 import dataclasses
 
+from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
@@ -17,4 +18,5 @@ def get_train_spec():
         name="llama3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
         check_parallelism_fn=None,
+        choose_mesh_fn=choose_mesh_llama_auto,
     )

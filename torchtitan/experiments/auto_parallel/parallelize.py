@@ -73,15 +73,12 @@ def parallelize_auto(
         raise UserInputError(f"auto-parallel planner: {e}") from None
 
 
-def _parallelize(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
-) -> nn.Module:
+def _planner(
+    model: nn.Module, mesh, job_config: Any, vocab_size: int, global_batch: int
+) -> AutoParallel:
+    """The planner for this job's model and precision on `mesh` (not yet entered)."""
     training = job_config.training
-    settings = getattr(job_config, "autoparallel", None) or AutoParallelConfig()
-    mesh = parallel_dims.world_mesh
-    names = tuple(mesh.mesh_dim_names)
-    loss_parallel = parallel_dims.loss_parallel_enabled
-    global_batch = training.local_batch_size * parallel_dims.dp_degree
+    settings = _settings(job_config)
 
     def input_fn():
         return torch.randint(0, vocab_size, (global_batch, training.seq_len), dtype=torch.long)
@@ -90,11 +87,7 @@ def _parallelize(
         param_dtype=resolve_param_dtype(training.mixed_precision_param),
         reduce_dtype=TORCH_DTYPES[training.mixed_precision_reduce],
     )
-    inputs = _batch_placements(names, Replicate())
-    outputs = _batch_placements(names, Shard(2) if loss_parallel else Replicate())
-
-    start = time.perf_counter()
-    with AutoParallel(
+    return AutoParallel(
         model,
         input_fn,
         mesh,
@@ -102,14 +95,43 @@ def _parallelize(
         cost_model=_cost_model_name(settings.cost_model),
         solver_time_limit=settings.solver_time_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
-    ) as autop:
-        autop.add_parameter_memory_constraint(low=None, high=None)
-        if settings.memory_budget_gib is not None:
-            autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
-        autop.add_input_constraints([inputs])
-        autop.add_output_constraints([outputs])
-        cache = Path(job_config.job.dump_folder) / "plans" if settings.plan_cache else None
-        plan = autop.optimize_placement(broadcast=True, cache_dir=cache)
+    )
+
+
+def _settings(job_config: Any) -> AutoParallelConfig:
+    return getattr(job_config, "autoparallel", None) or AutoParallelConfig()
+
+
+def _constrain(
+    autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config
+) -> None:
+    """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
+    batch split over every data-parallel dim, logits split over tp with loss parallelism."""
+    settings = _settings(job_config)
+    autop.add_parameter_memory_constraint(low=None, high=None)
+    if settings.memory_budget_gib is not None:
+        autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
+    autop.add_input_constraints([_batch_placements(names, Replicate())])
+    autop.add_output_constraints(
+        [_batch_placements(names, Shard(2) if loss_parallel else Replicate())]
+    )
+
+
+def _plan_cache(job_config: Any) -> Path | None:
+    return Path(job_config.job.dump_folder) / "plans" if _settings(job_config).plan_cache else None
+
+
+def _parallelize(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
+) -> nn.Module:
+    mesh = parallel_dims.world_mesh
+    names = tuple(mesh.mesh_dim_names)
+    loss_parallel = parallel_dims.loss_parallel_enabled
+    global_batch = job_config.training.local_batch_size * parallel_dims.dp_degree
+    start = time.perf_counter()
+    with _planner(model, mesh, job_config, vocab_size, global_batch) as autop:
+        _constrain(autop, names, loss_parallel, job_config)
+        plan = autop.optimize_placement(broadcast=True, cache_dir=_plan_cache(job_config))
         parallel_model = autop.apply_placement(plan)
     logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan.summary()}")
 

@@ -42,6 +42,15 @@ class TransformerModelArgs(BaseModelArgs):
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        return {
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads or self.n_heads,
+            "dim": self.dim,
+            "ffn_hidden_dim": self.ffn_hidden_dim,
+            "vocab_size": self.vocab_size,
+        }
+
     def update_from_config(self, job_config: Any, tokenizer: Any) -> None:
         self.vocab_size = tokenizer.vocab_size
         self.max_seq_len = job_config.training.seq_len

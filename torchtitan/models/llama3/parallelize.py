@@ -33,15 +33,10 @@ def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_co
     the tp degree divides heads, kv-heads, dim, the SwiGLU width, the vocabulary (when the
     loss is vocabulary-parallel) and the sequence (sequence parallelism); DDP is not
     combined with TP."""
-    sizes = {
-        "n_heads": model_args.n_heads,
-        "n_kv_heads": model_args.n_kv_heads or model_args.n_heads,
-        "dim": model_args.dim,
-        "ffn_hidden_dim": model_args.ffn_hidden_dim,
-        "vocab_size": model_args.vocab_size,
-    }
     parallel_dims.check_tensor_parallel_sizes(
-        sizes, job_config.training.seq_len, f"llama3 {job_config.model.flavor}"
+        model_args.tensor_parallel_sizes(),
+        job_config.training.seq_len,
+        f"llama3 {job_config.model.flavor}",
     )
     if (
         parallel_dims.tp_enabled

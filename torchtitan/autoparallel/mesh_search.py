@@ -1,0 +1,235 @@
+"""Choose the mesh as well as the shardings: plan every candidate mesh, keep the cheapest.
+
+Users know their world size, not which split of it into data and tensor parallelism is
+best.  The caller lists the candidate meshes (`factorisations` of the world into the mesh
+dims it leaves open, filtered by what its model and machine allow); `search_meshes` plans
+each one from a single trace (`AutoParallel.on_mesh`: strategies, costs and program are
+per mesh) under the same constraints (`constrain(autop, candidate)` adds them: pins,
+budgets), and chooses the smallest predicted step among those that fit.  A candidate the
+memory budget rules out, or whose constraints cannot hold, is reported with the reason.
+Steps within `TIE_REL` of each other tie; the caller's `tie_break` key settles it (the
+trainer prefers fewer tensor-parallel ranks).
+
+The choice is certified: every solve proves how far its plan may be from that mesh's
+optimum (`plan.solver["gap"]`), so no plan on a mesh can beat `step x (1 - gap)`.  When the
+chosen step is at most every other candidate's bound, no other mesh holds a cheaper plan
+under this cost model; `MeshSearch.proven_margin` says by how much.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchtitan.torch_private import planning_mesh
+
+from .errors import PlannerError
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+TIE_REL = 1e-6  # relative step difference below which two meshes tie
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    def size(self, name: str) -> int:
+        return dict(zip(self.names, self.shape)).get(name, 1)
+
+    def label(self) -> str:
+        return " x ".join(f"{n} {s}" for n, s in zip(self.names, self.shape))
+
+
+@dataclass
+class CandidateResult:
+    mesh: MeshCandidate
+    predicted: dict[str, float] = field(default_factory=dict)  # the plan's, when there is one
+    gap: float | None = None  # proven relative gap of the plan on this mesh
+    note: str = ""  # why there is no plan ("" when there is one)
+    plan_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return not self.note
+
+    @property
+    def step_us(self) -> float:
+        return self.predicted.get("step_us", math.inf) if self.fits else math.inf
+
+    @property
+    def lower_bound_us(self) -> float:
+        """No plan on this mesh has a smaller predicted step (under the solver's proof)."""
+        if not self.fits:
+            return math.inf
+        return self.step_us * (1.0 - (self.gap if self.gap is not None else 1.0))
+
+
+@dataclass
+class MeshSearch:
+    world: int
+    results: list[CandidateResult]
+    chosen: int  # index into results
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (mesh label, why not tried)
+
+    @property
+    def best(self) -> CandidateResult:
+        return self.results[self.chosen]
+
+    @property
+    def proven_margin(self) -> float | None:
+        """min over the other candidates of (their lower bound / the chosen step) - 1: >= 0
+        means no other mesh can be cheaper; None when there is no other candidate."""
+        others = [r.lower_bound_us for i, r in enumerate(self.results) if i != self.chosen]
+        if not others:
+            return None
+        return min(others) / self.best.step_us - 1.0
+
+    def table(self) -> str:
+        rows = [("", "mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "plan s")]
+        for i, r in enumerate(self.results):
+            p = r.predicted
+            rows.append(
+                (
+                    "*" if i == self.chosen else "",
+                    r.mesh.label(),
+                    f"{r.step_us / 1e3:.2f}" if r.fits else "-",
+                    f"{p['exposed_comm_us'] / 1e3:.2f}" if r.fits else "-",
+                    f"{p['peak_bytes_per_rank'] / 2**30:.2f}" if r.fits else "-",
+                    "yes" if r.fits else f"no: {r.note}",
+                    f"{r.plan_s:.1f}",
+                )
+            )
+        widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]) - 1)]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)).rstrip() + "  " + row[-1]
+            for row in rows
+        ]
+        lines += [f"   {label}: not planned, {why}" for label, why in self.skipped]
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        best, margin = self.best, self.proven_margin
+        if margin is None:
+            proof = "the only candidate"
+        elif margin >= 0:
+            proof = f"proven best: every other mesh's plans are at least {margin:.2%} slower"
+        else:
+            proof = f"best found; the solver's gaps leave {-margin:.2%} for another mesh"
+        return (
+            f"mesh search (world {self.world}, {len(self.results)} candidates): "
+            f"{best.mesh.label()}, predicted step {best.step_us / 1e3:.2f} ms ({proof})"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "world": self.world,
+                "chosen": self.chosen,
+                "results": [
+                    {**asdict(r), "mesh": {"names": r.mesh.names, "shape": r.mesh.shape}}
+                    for r in self.results
+                ],
+                "skipped": self.skipped,
+                "proven_margin": self.proven_margin,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "MeshSearch":
+        data = json.loads(text)
+        results = [
+            CandidateResult(
+                mesh=MeshCandidate(tuple(r["mesh"]["names"]), tuple(r["mesh"]["shape"])),
+                predicted=r["predicted"],
+                gap=r["gap"],
+                note=r["note"],
+                plan_s=r["plan_s"],
+            )
+            for r in data["results"]
+        ]
+        skipped = [tuple(s) for s in data["skipped"]]
+        return cls(data["world"], results, data["chosen"], skipped)
+
+
+def factorisations(world: int, dims: Sequence[tuple[str, int | None]]) -> list[dict[str, int]]:
+    """Every assignment of sizes to the dims given as None (the others keep theirs) whose
+    product is `world`, in order of the sizes of the dims as listed."""
+    fixed = math.prod(size for _, size in dims if size is not None)
+    if world % fixed:
+        return []
+    open_dims = [name for name, size in dims if size is None]
+
+    def split(rest: int, names: list[str]) -> list[dict[str, int]]:
+        if not names:
+            return [{}] if rest == 1 else []
+        if len(names) == 1:
+            return [{names[0]: rest}]
+        return [
+            {names[0]: d, **tail}
+            for d in range(1, rest + 1)
+            if rest % d == 0
+            for tail in split(rest // d, names[1:])
+        ]
+
+    return [
+        {name: (size if size is not None else sizes[name]) for name, size in dims}
+        for sizes in split(world // fixed, open_dims)
+    ]
+
+
+def search_meshes(
+    autop: Any,
+    candidates: Sequence[MeshCandidate],
+    constrain: Callable[[Any, MeshCandidate], None],
+    tie_break: Callable[[MeshCandidate], Any] | None = None,
+    cache_dir: str | Path | None = None,
+    device_type: str = "cpu",
+    skipped: Sequence[tuple[str, str]] = (),
+) -> MeshSearch:
+    """Plan `autop`'s model (an entered `AutoParallel`) on every candidate and choose.
+
+    Runs in this process only (the candidates' meshes have no process groups); a trainer
+    calls it on one rank and shares the answer.  With `cache_dir` every candidate's plan is
+    read from / written to the plan cache, so a restart repeats the search from the cache
+    and the chosen mesh's plan is already there when the job applies it.
+    """
+    if not candidates:
+        raise PlannerError("mesh search: no candidate mesh")
+    results = []
+    for cand in candidates:
+        t0 = time.perf_counter()
+        sub = autop.on_mesh(planning_mesh(device_type, cand.shape, cand.names))
+        result = CandidateResult(cand)
+        try:
+            constrain(sub, cand)
+            plan: Plan = sub.optimize_placement(cache_dir=cache_dir)
+            result.predicted = dict(plan.predicted)
+            result.gap = plan.solver.get("gap")
+        except PlannerError as e:  # infeasible under the budget, or a pin that cannot hold
+            result.note = str(e).splitlines()[0] if str(e) else type(e).__name__
+        result.plan_s = time.perf_counter() - t0
+        log.info(
+            "mesh %s: %s in %.1fs",
+            cand.label(),
+            f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note,
+            result.plan_s,
+        )
+        results.append(result)
+    fitting = [i for i, r in enumerate(results) if r.fits]
+    if not fitting:
+        notes = "; ".join(f"{r.mesh.label()}: {r.note}" for r in results)
+        raise PlannerError(f"mesh search: no candidate mesh has a plan ({notes})")
+    fastest = min(results[i].step_us for i in fitting)
+    tied = [i for i in fitting if results[i].step_us <= fastest * (1 + TIE_REL)]
+    chosen = min(tied, key=lambda i: tie_break(results[i].mesh)) if tie_break else tied[0]
+    return MeshSearch(math.prod(candidates[0].shape), results, chosen, list(skipped))

@@ -1,0 +1,137 @@
+"""`--parallelism.tensor_parallel_degree auto` (and the other degrees): the spec's mesh search.
+
+The candidates are the factorisations of the world into the degrees left open (`auto`, and
+the shard degree's -1 next to an `auto`), as `ParallelDims` would lay them out, minus those
+the model or machine rules out: a tp degree must divide the model's head and hidden sizes
+(`BaseModelArgs.tensor_parallel_sizes`; the vocabulary only with loss parallelism) and the
+sequence (sequence parallelism), and stay within one node (`CostModel.gpus_per_node`, when
+the profile says `tp_within_node`); the data-parallel degree must divide the global batch,
+which is the same for every candidate.  Rank 0 plans each with the job's own constraints
+(`autoparallel.mesh_search`) and every rank receives the choice.  With the plan cache on,
+every candidate's plan is cached, so a restart makes the same choice without solving and
+the chosen mesh's plan is a cache hit when the job applies it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from torchtitan.autoparallel.api import on_rank0
+from torchtitan.autoparallel.cost import resolve_cost_model
+from torchtitan.autoparallel.mesh_search import (
+    MeshCandidate,
+    MeshSearch,
+    factorisations,
+    search_meshes,
+)
+from torchtitan.distributed.parallel_dims import mesh_dims, open_degrees
+from torchtitan.distributed.utils import device_type
+from torchtitan.experiments.auto_parallel.parallelize import (
+    _constrain,
+    _cost_model_name,
+    _plan_cache,
+    _planner,
+    _settings,
+)
+from torchtitan.tools.logging import logger
+
+
+def choose_mesh_llama_auto(model, model_args, job_config, world_size, global_batch):
+    return choose_mesh(
+        model, model_args, job_config, world_size, global_batch, model.tok_embeddings.num_embeddings
+    )
+
+
+def choose_mesh_hf_auto(model, model_args, job_config, world_size, global_batch):
+    vocab = model.get_input_embeddings().num_embeddings
+    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab)
+
+
+def candidate_degrees(
+    parallelism,
+    world_size: int,
+    global_batch: int,
+    tp_sizes: dict[str, int],
+    seq_len: int,
+    gpus_per_node: int | None,
+) -> tuple[list[dict[str, int]], list[tuple[dict[str, int], str]]]:
+    """(degrees worth planning, [(degrees, why not)]) for this world and model."""
+    keep, skipped = [], []
+    for degrees in factorisations(world_size, list(open_degrees(parallelism).items())):
+        tp, dp = degrees["tp"], degrees["dp_replicate"] * degrees["dp_shard"]
+        sizes = dict(tp_sizes)
+        if tp == 1 or parallelism.disable_loss_parallel:
+            sizes.pop("vocab_size", None)
+        sizes["training.seq_len"] = seq_len
+        bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
+        if bad:
+            skipped.append((degrees, f"tp {tp} does not divide {', '.join(bad)}"))
+        elif gpus_per_node is not None and tp > gpus_per_node:
+            skipped.append((degrees, f"tp {tp} spans nodes of {gpus_per_node}"))
+        elif global_batch % dp:
+            skipped.append((degrees, f"dp {dp} does not divide the global batch {global_batch}"))
+        else:
+            keep.append(degrees)
+    return keep, skipped
+
+
+def _label(degrees: dict[str, int]) -> str:
+    return MeshCandidate(*zip(*mesh_dims(**degrees))).label()
+
+
+def choose_mesh(
+    model: nn.Module,
+    model_args: Any,
+    job_config: Any,
+    world_size: int,
+    global_batch: int,
+    vocab_size: int,
+) -> dict[str, int]:
+    """The degrees (`dp_replicate`, `dp_shard`, `tp`) of the cheapest candidate mesh; call
+    on every rank (rank 0 searches, the others receive its answer)."""
+    parallelism = job_config.parallelism
+    cost_model = resolve_cost_model(_cost_model_name(_settings(job_config).cost_model))
+    keep, skipped = candidate_degrees(
+        parallelism,
+        world_size,
+        global_batch,
+        model_args.tensor_parallel_sizes(),
+        job_config.training.seq_len,
+        cost_model.gpus_per_node if cost_model.tp_within_node else None,
+    )
+    if not keep:
+        from torchtitan.distributed.parallel_dims import ParallelismConfigError
+
+        why = "; ".join(f"{_label(d)}: {reason}" for d, reason in skipped) or "none"
+        raise ParallelismConfigError(
+            f"mesh search: no mesh of world {world_size} suits this model ({why})"
+        )
+    by_mesh = {MeshCandidate(*zip(*mesh_dims(**d))): d for d in keep}
+
+    def search() -> str:
+        first = next(iter(by_mesh))
+        from torchtitan.torch_private import planning_mesh
+
+        mesh = planning_mesh(device_type(), first.shape, first.names)
+        with _planner(model, mesh, job_config, vocab_size, global_batch) as autop:
+            result = search_meshes(
+                autop,
+                list(by_mesh),
+                lambda sub, cand: _constrain(
+                    sub,
+                    cand.names,
+                    cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
+                    job_config,
+                ),
+                tie_break=lambda cand: cand.size("tp"),
+                cache_dir=_plan_cache(job_config),
+                device_type=device_type(),
+                skipped=[(_label(d), why) for d, why in skipped],
+            )
+        return result.to_json()
+
+    result = MeshSearch.from_json(on_rank0(search))
+    logger.info(f"{result.verdict()}\n{result.table()}")
+    return by_mesh[result.best.mesh]
