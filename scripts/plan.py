@@ -2,6 +2,7 @@
 
     python scripts/plan.py --flavor 8B --mesh 8,8 --mesh-names dp,tp --device h100 \
         --batch 8 --seq-len 2048 [--mixed-precision bf16] [--memory-gib 80] [--out-dir plan_out]
+    python scripts/plan.py --flavor 8B --world 64 --mesh auto ...   # choose the mesh too
 
 The model is built on meta and traced under a fake process group (nothing is allocated).
 Prints the stage timings as they finish, the plan per parameter group (repeated layers
@@ -10,6 +11,13 @@ and the same figures for torchtitan's hand-written plans on that mesh, priced by
 model: every parameter is pinned to the hand-written placement and the solver prices (and
 chooses) the rest of the graph.  Writes `plan.json` and `plan.html` (which tensor dim is split
 on which mesh dim, parameter by parameter, layer by layer) into `--out-dir`.
+
+`--mesh auto` with `--world N` first plans every (dp, tp) split of the world that the model
+allows (tp divides heads, kv-heads, dim, SwiGLU width, vocabulary and sequence; tp within a
+node of the device profile; dp divides the batch, default: N sequences), prints the table
+of candidates and writes it to `mesh_search.json` and the HTML page, then reports the
+chosen mesh as above.  The trainer's `--parallelism.tensor_parallel_degree auto` runs the
+same search.
 
 Bad input prints one `error: ...` line and exits with status 2.
 """
@@ -20,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import resource
 import sys
 import time
@@ -44,7 +53,8 @@ def _progress(msg: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--flavor", default="8B", help="llama3 flavor: debugmodel, 8B, 70B, 405B")
-    ap.add_argument("--mesh", default="8,8", help="mesh shape, e.g. 8 or 8,8")
+    ap.add_argument("--mesh", default="8,8", help="mesh shape, e.g. 8 or 8,8; auto: search")
+    ap.add_argument("--world", type=int, default=None, help="world size (with --mesh auto)")
     ap.add_argument("--mesh-names", default=None, help="comma-separated names (default dp,tp)")
     ap.add_argument("--device", default="h100", help="cost profile: " + "|".join(DEVICES))
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: dp size)")
@@ -86,10 +96,26 @@ def validate(a):
         raise BadInput(f"unknown flavor '{a.flavor}'; known: {', '.join(llama3_configs)}")
     if a.device.lower() not in DEVICES:
         raise BadInput(f"unknown device '{a.device}'; known: {', '.join(DEVICES)}")
+    for opt in ("batch", "seq_len", "layers", "vocab"):
+        v = getattr(a, opt)
+        if v is not None and v <= 0:
+            raise BadInput(f"--{opt.replace('_', '-')} must be positive, got {v}")
+    if a.memory_gib is not None and a.memory_gib <= 0:
+        raise BadInput(f"--memory-gib must be positive, got {a.memory_gib}")
+    if a.param_fraction is not None and not (0 < a.param_fraction <= 1):
+        raise BadInput(f"--param-fraction must be in (0, 1], got {a.param_fraction}")
+    if a.mesh == "auto":
+        if a.world is None or a.world <= 0:
+            raise BadInput("--mesh auto needs --world N (a positive number of ranks)")
+        if a.mesh_names is not None:
+            raise BadInput("--mesh auto names its dims itself (dp, tp); drop --mesh-names")
+        return "auto", ("dp", "tp")
+    if a.world is not None:
+        raise BadInput("--world goes with --mesh auto; a given mesh is its own world")
     try:
         shape = tuple(int(x) for x in a.mesh.split(","))
     except ValueError:
-        raise BadInput(f"--mesh must be comma-separated integers, got '{a.mesh}'") from None
+        raise BadInput(f"--mesh must be comma-separated integers or auto, got '{a.mesh}'") from None
     if not shape or any(s <= 0 for s in shape):
         raise BadInput(f"--mesh sizes must be positive, got {a.mesh}")
     if a.mesh_names is None:
@@ -106,15 +132,35 @@ def validate(a):
             )
         if len(set(names)) != len(names) or not all(names):
             raise BadInput(f"--mesh-names must be distinct and non-empty, got '{a.mesh_names}'")
-    for opt in ("batch", "seq_len", "layers", "vocab"):
-        v = getattr(a, opt)
-        if v is not None and v <= 0:
-            raise BadInput(f"--{opt.replace('_', '-')} must be positive, got {v}")
-    if a.memory_gib is not None and a.memory_gib <= 0:
-        raise BadInput(f"--memory-gib must be positive, got {a.memory_gib}")
-    if a.param_fraction is not None and not (0 < a.param_fraction <= 1):
-        raise BadInput(f"--param-fraction must be in (0, 1], got {a.param_fraction}")
     return shape, names
+
+
+def mesh_candidates(world: int, args, batch: int, a):
+    """(dp, tp) meshes of `world` for `--mesh auto`, and [(label, why not)] for the rest:
+    the trainer's rules (mesh_choice.candidate_degrees) on this script's dim names."""
+    from torchtitan.autoparallel.cost import CostModel
+    from torchtitan.autoparallel.mesh_search import MeshCandidate
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.experiments.auto_parallel.mesh_choice import candidate_degrees
+
+    cost_model = CostModel.for_device(a.device)
+    keep, skipped = candidate_degrees(
+        Parallelism(tensor_parallel_degree="auto", disable_loss_parallel=True),
+        world,
+        batch,
+        args.tensor_parallel_sizes(),
+        a.seq_len,
+        cost_model.gpus_per_node if cost_model.tp_within_node else None,
+    )
+
+    def mesh(d):
+        dims = [(n, s) for n, s in (("dp", d["dp_shard"]), ("tp", d["tp"])) if s > 1]
+        return MeshCandidate(*zip(*(dims or [("dp", 1)])))
+
+    if not keep:
+        why = "; ".join(f"{mesh(d).label()}: {r}" for d, r in skipped)
+        raise BadInput(f"--mesh auto: no (dp, tp) split of world {world} suits {a.flavor} ({why})")
+    return [mesh(d) for d in keep], [(mesh(d).label(), r) for d, r in skipped]
 
 
 # ---------------------------------------------------------------------------- main
@@ -131,19 +177,10 @@ def run(a) -> int:
     from torchtitan.autoparallel import AutoParallel
     from torchtitan.models.llama3.args import llama3_configs
     from torchtitan.models.llama3.model import Transformer
+    from torchtitan.torch_private import planning_mesh
 
     if a.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    world = 1
-    for s in shape:
-        world *= s
-    dp = dp_dim(names)
-    batch = a.batch if a.batch is not None else shape[dp]
-    if batch % shape[dp]:
-        raise BadInput(f"--batch {batch} is not divisible by the dp size {shape[dp]}")
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     over = {"max_seq_len": a.seq_len}
     if a.vocab:
         over["vocab_size"] = a.vocab
@@ -151,15 +188,29 @@ def run(a) -> int:
         over["n_layers"] = a.layers
     args = dataclasses.replace(llama3_configs[a.flavor], **over)
     budget_gib = a.memory_gib if a.memory_gib is not None else HBM_GIB[a.device.lower()]
+    search = None
+    if shape == "auto":
+        world = a.world
+        batch = a.batch if a.batch is not None else world
+        candidates, skipped = mesh_candidates(world, args, batch, a)
+        shape, names = candidates[0].shape, candidates[0].names  # the search's first mesh
+    else:
+        world = math.prod(shape)
+        dp_size = shape[dp_dim(names)] if dp_dim(names) is not None else 1
+        batch = a.batch if a.batch is not None else dp_size
+        if batch % dp_size:
+            raise BadInput(f"--batch {batch} is not divisible by the dp size {dp_size}")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     t_all = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(args)
     vocab = args.vocab_size
-    pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(shape)))
     _progress(
-        f"{a.flavor} ({args.n_layers} layers) on mesh {dict(zip(names, shape))}, "
-        f"batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} GiB/rank: "
-        "tracing ..."
+        f"{a.flavor} ({args.n_layers} layers) on "
+        + (f"world {world} (mesh auto)" if a.mesh == "auto" else f"mesh {dict(zip(names, shape))}")
+        + f", batch {batch} x seq {a.seq_len}, device {a.device}, budget {budget_gib:g} "
+        "GiB/rank: tracing ..."
     )
     plans = OrderedDict()
     mp_policy = None
@@ -167,14 +218,45 @@ def run(a) -> int:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def constrain(autop, names, param_pins=None):
+        dp = dp_dim(names)
+        pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(names)))
+        autop.clear_constraints()
+        autop.add_input_constraints([pin])
+        autop.add_output_constraints([pin])
+        if param_pins is None:
+            autop.add_parameter_memory_constraint(high=a.param_fraction or 1.0)
+            autop.add_memory_constraint(int(budget_gib * 2**30))
+        else:
+            for fqn, pl in param_pins.items():
+                autop.add_parameter_constraint(fqn, pl)
+
     with AutoParallel(
         model,
         lambda: torch.randint(0, vocab, (batch, a.seq_len)),
-        mesh,
+        planning_mesh("cpu", shape, names),
         mp_policy=mp_policy,
         cost_model=a.device.lower(),
         solver_time_limit=a.time_limit,
-    ) as autop:
+    ) as root:
+        if a.mesh == "auto":
+            from torchtitan.autoparallel.mesh_search import search_meshes
+
+            _progress(f"  trace {root.timings['trace']:.2f}s; planning every mesh ...")
+            t = time.perf_counter()
+            search = search_meshes(
+                root,
+                candidates,
+                lambda sub, cand: constrain(sub, cand.names),
+                tie_break=lambda cand: cand.size("tp"),
+                skipped=skipped,
+            )
+            search_s = time.perf_counter() - t
+            print(f"\n{search.verdict()} in {search_s:.1f}s\n{search.table()}")
+            shape, names = search.best.mesh.shape, search.best.mesh.names
+        autop = root.on_mesh(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        autop.timings["trace"] = root.timings["trace"]
         _progress(
             f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); "
             "strategies ..."
@@ -185,18 +267,7 @@ def run(a) -> int:
             f"{autop.timings.get('prune+cluster', 0.0):.2f}s; solving the automatic plan ..."
         )
 
-        def constrain(param_pins=None):
-            autop.clear_constraints()
-            autop.add_input_constraints([pin])
-            autop.add_output_constraints([pin])
-            if param_pins is None:
-                autop.add_parameter_memory_constraint(high=a.param_fraction or 1.0)
-                autop.add_memory_constraint(int(budget_gib * 2**30))
-            else:
-                for fqn, pl in param_pins.items():
-                    autop.add_parameter_constraint(fqn, pl)
-
-        constrain()
+        constrain(autop, names)
         plans["auto"] = autop.optimize_placement()
         plan_s = time.perf_counter() - t_all
         _progress(
@@ -205,12 +276,14 @@ def run(a) -> int:
         )
         if not a.no_baselines:
             pshapes = autop.param_shapes()
-            baselines = [("FSDP", fsdp_plan(pshapes, names))]
+            baselines = []
+            if dp_dim(names) is not None:
+                baselines.append(("FSDP", fsdp_plan(pshapes, names)))
             if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
             for label, pins in baselines:
                 _progress(f"  pricing hand-written {label} ...")
-                constrain(pins)
+                constrain(autop, names, pins)
                 plans[label] = autop.optimize_placement()
                 _progress(
                     f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s"
@@ -288,7 +361,14 @@ def run(a) -> int:
         names,
         shape,
         f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}",
+        search=search,
     )
+    written = ["plan.json", "baselines.json", "plan.html", "summary.json"]
+    if search is not None:
+        (out / "mesh_search.json").write_text(
+            json.dumps({**json.loads(search.to_json()), "search_s": search_s}, indent=1)
+        )
+        written.append("mesh_search.json")
     summary = {
         "flavor": a.flavor,
         "layers": args.n_layers,
@@ -306,10 +386,7 @@ def run(a) -> int:
         "params": {k: v.params for k, v in plans.items()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(
-        f"wrote {out / 'plan.json'}, {out / 'baselines.json'}, {out / 'plan.html'}, "
-        f"{out / 'summary.json'}"
-    )
+    print("wrote " + ", ".join(str(out / name) for name in written))
     return 0
 
 

@@ -75,7 +75,7 @@ def check(job_config, world_size: int) -> str:
     model_args = resolve_model_args(spec, job_config, tokenizer)
     if mesh_search_requested(job_config.parallelism):
         # the mesh (and with it the batch split) is the spec's mesh search's, at start
-        check_mesh_search_possible(spec, job_config.parallelism)
+        check_mesh_search_possible(spec, job_config.parallelism, world_size)
         mesh = "auto (the spec's mesh search plans every candidate at start)"
     else:
         dims = ParallelDims.from_config(job_config.parallelism, world_size)

@@ -33,6 +33,7 @@ from torchtitan.distributed.parallel_dims import (
     AUTO,
     DEGREES,
     ParallelismConfigError,
+    check_search_degrees,
     mesh_search_requested,
 )
 from torchtitan.distributed.sharded_init import every_value_initialised, exact_sharded_init
@@ -77,7 +78,7 @@ def resolve_auto_parallelism(spec, model, model_args, job_config, world_size: in
     parallelism, training = job_config.parallelism, job_config.training
     if not mesh_search_requested(parallelism):
         return
-    check_mesh_search_possible(spec, parallelism)
+    check_mesh_search_possible(spec, parallelism, world_size)
     global_batch = (
         training.global_batch_size
         if training.global_batch_size > 0
@@ -95,14 +96,15 @@ def resolve_auto_parallelism(spec, model, model_args, job_config, world_size: in
     )
 
 
-def check_mesh_search_possible(spec, parallelism) -> None:
-    """`auto` needs a spec that can choose its mesh."""
+def check_mesh_search_possible(spec, parallelism, world_size: int) -> None:
+    """`auto` needs a spec that can choose its mesh, and fixed degrees the world allows."""
     if spec.choose_mesh_fn is None:
         option = next(o for _, o in DEGREES if getattr(parallelism, o) == AUTO)
         raise ParallelismConfigError(
             f"--parallelism.{option} auto: the {spec.name} spec cannot choose its mesh "
             "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
         )
+    check_search_degrees(parallelism, world_size)
 
 
 def _use_rank_inductor_cache(rank: int) -> None:

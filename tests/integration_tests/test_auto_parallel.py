@@ -142,3 +142,24 @@ def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
         ).check()
         counts[name] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
     assert 0 < counts["llama3_auto_parallel"] <= counts["llama3"], counts
+
+
+def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train_on_ranks):
+    """tp auto on 4 ranks: every split of the world is planned (tp 4, dp 2 x tp 2, dp 4), the
+    global batch stays the 1-rank reference's 4, the losses match it, and the chosen
+    mesh's plan is the one the search cached (applied without solving again)."""
+    run = train_on_ranks(
+        4,
+        [*AUTO, "--parallelism.tensor_parallel_degree", "auto", "--training.local_batch_size", "1"],
+    )
+    assert "mesh search (world 4, 3 candidates)" in run.output
+    chosen = re.search(r"mesh search chose (.*); global batch 4, local batch (\d+)", run.output)
+    assert chosen, run.output[-3000:]
+    degrees = dict(
+        (option, int(value)) for option, value in re.findall(r"(\w+_degree) (\d+)", chosen.group(1))
+    )
+    dp = degrees["data_parallel_replicate_degree"] * degrees["data_parallel_shard_degree"]
+    assert dp * degrees["tensor_parallel_degree"] == 4 and int(chosen.group(2)) == 4 // dp
+    assert len(list((run.dump_folder / "plans").glob("*.json"))) == 3
+    assert "reusing cached plan" in run.output
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="auto mesh vs 1 rank")

@@ -95,7 +95,7 @@ class CostModel:
 
             raise PlannerError(f"unknown device '{name}'; known: {sorted(DEVICES)}")
         intra, inter = LINKS[key]
-        return cls(device=DEVICES[key], intra=intra, inter=inter, **overrides)
+        return cls(**{"device": DEVICES[key], "intra": intra, "inter": inter, **overrides})
 
     def mesh_links(self, mesh_shape: Sequence[int]) -> list[LinkSpec]:
         if self.links is not None:

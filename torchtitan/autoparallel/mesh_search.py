@@ -54,6 +54,7 @@ class CandidateResult:
     mesh: MeshCandidate
     predicted: dict[str, float] = field(default_factory=dict)  # the plan's, when there is one
     gap: float | None = None  # proven relative gap of the plan on this mesh
+    objective: float | None = None  # the solver's: step + tie-breaks (solver.TIE_BREAK_US)
     note: str = ""  # why there is no plan ("" when there is one)
     plan_s: float = 0.0
 
@@ -66,11 +67,12 @@ class CandidateResult:
         return self.predicted.get("step_us", math.inf) if self.fits else math.inf
 
     @property
-    def lower_bound_us(self) -> float:
-        """No plan on this mesh has a smaller predicted step (under the solver's proof)."""
+    def lower_bound(self) -> float:
+        """No plan on this mesh has a smaller objective (the solver's proof); inf when the
+        mesh has no plan at all."""
         if not self.fits:
             return math.inf
-        return self.step_us * (1.0 - (self.gap if self.gap is not None else 1.0))
+        return self.objective * (1.0 - (self.gap if self.gap is not None else 1.0))
 
 
 @dataclass
@@ -86,12 +88,14 @@ class MeshSearch:
 
     @property
     def proven_margin(self) -> float | None:
-        """min over the other candidates of (their lower bound / the chosen step) - 1: >= 0
-        means no other mesh can be cheaper; None when there is no other candidate."""
-        others = [r.lower_bound_us for i, r in enumerate(self.results) if i != self.chosen]
+        """min over the other candidates of (their lower bound / the chosen objective) - 1,
+        in the solver's objective (the step plus its tie-breaks of 0.01 us per placement
+        change): >= 0 means no other mesh can be cheaper; inf when no other mesh has a
+        plan; None when there is no other candidate."""
+        others = [r.lower_bound for i, r in enumerate(self.results) if i != self.chosen]
         if not others:
             return None
-        return min(others) / self.best.step_us - 1.0
+        return min(others) / self.best.objective - 1.0
 
     def table(self) -> str:
         rows = [("", "mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "plan s")]
@@ -120,6 +124,8 @@ class MeshSearch:
         best, margin = self.best, self.proven_margin
         if margin is None:
             proof = "the only candidate"
+        elif math.isinf(margin):
+            proof = "the only one with a plan"
         elif margin >= 0:
             proof = f"proven best: every other mesh's plans are at least {margin:.2%} slower"
         else:
@@ -139,7 +145,9 @@ class MeshSearch:
                     for r in self.results
                 ],
                 "skipped": self.skipped,
-                "proven_margin": self.proven_margin,
+                "proven_margin": (
+                    None if self.proven_margin in (None, math.inf) else self.proven_margin
+                ),
             },
             indent=1,
         )
@@ -152,6 +160,7 @@ class MeshSearch:
                 mesh=MeshCandidate(tuple(r["mesh"]["names"]), tuple(r["mesh"]["shape"])),
                 predicted=r["predicted"],
                 gap=r["gap"],
+                objective=r["objective"],
                 note=r["note"],
                 plan_s=r["plan_s"],
             )
@@ -215,6 +224,7 @@ def search_meshes(
             plan: Plan = sub.optimize_placement(cache_dir=cache_dir)
             result.predicted = dict(plan.predicted)
             result.gap = plan.solver.get("gap")
+            result.objective = plan.solver.get("objective")
         except PlannerError as e:  # infeasible under the budget, or a pin that cannot hold
             result.note = str(e).splitlines()[0] if str(e) else type(e).__name__
         result.plan_s = time.perf_counter() - t0

@@ -69,9 +69,41 @@ def summary_line(label: str, plan: Plan) -> str:
     )
 
 
-def write_html(path: Path, plans: dict[str, Plan], names, mesh_shape, title: str) -> None:
-    """One page: per plan its summary line and a table of every parameter's placement per
-    mesh dim, split dims coloured."""
+def mesh_search_html(search) -> str:
+    """The mesh search's candidates as an HTML table, the chosen one in bold."""
+    head = ["mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "proven gap", "plan s"]
+    rows = []
+    for i, r in enumerate(search.results):
+        p = r.predicted
+        cells = [
+            r.mesh.label(),
+            f"{r.step_us / 1e3:.2f}" if r.fits else "-",
+            f"{p['exposed_comm_us'] / 1e3:.2f}" if r.fits else "-",
+            f"{p['peak_bytes_per_rank'] / 2**30:.2f}" if r.fits else "-",
+            "yes" if r.fits else f"no: {r.note}",
+            "-" if r.gap is None else f"{r.gap:.2%}",
+            f"{r.plan_s:.1f}",
+        ]
+        style = ' style="font-weight:bold"' if i == search.chosen else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    rows += [
+        f"<tr><td>{html.escape(label)}</td><td colspan=6>not planned: {html.escape(why)}</td></tr>"
+        for label, why in search.skipped
+    ]
+    return (
+        f"<h2>mesh search</h2><p>{html.escape(search.verdict())}</p><table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def write_html(
+    path: Path, plans: dict[str, Plan], names, mesh_shape, title: str, search=None
+) -> None:
+    """One page: the mesh search's candidates if there was one, then per plan its summary
+    line and a table of every parameter's placement per mesh dim, split dims coloured."""
     colors = ["#e6f2ff", "#ffe0b3", "#c6f0c6", "#f0c6f0", "#fff3a0", "#d0d0ff"]
 
     def cell(pl_item: str) -> str:
@@ -93,6 +125,8 @@ def write_html(path: Path, plans: dict[str, Plan], names, mesh_shape, title: str
         "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
         "dim is split across that mesh dim (R = replicated).</p>",
     ]
+    if search is not None:
+        out.append(mesh_search_html(search))
     for label, plan in plans.items():
         out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
         out.append(

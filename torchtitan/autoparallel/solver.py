@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 TIE_BREAK_US = 0.01
 # The first plan near the LP bound is searched among columns whose reduced cost is within
 # this fraction of the bound (any choice is valid: it only has to find a good plan fast).
-HEURISTIC_SLACK = 0.02
+HEURISTIC_SLACK = 0.005
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,14 @@ class _Model:
         self.lb.append(lb)
         self.ub.append(ub)
         return len(self.cost) - 1
+
+    def vars(self, costs: list[float]) -> range:
+        """Continuous columns in [0, 1] with these costs (many at once)."""
+        first = len(self.cost)
+        self.cost.extend(costs)
+        self.lb.extend([0.0] * len(costs))
+        self.ub.extend([1.0] * len(costs))
+        return range(first, first + len(costs))
 
     def row(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
         merged: dict[int, float] = defaultdict(float)
@@ -604,15 +612,14 @@ class _Program:
             or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
         )
         sink = isinstance(first, (GradEdge, OutputEdge))
-        for o, r, c in self.solver.pairs(
+        pairs = self.solver.pairs(
             tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
-        ):
-            tie = TIE_BREAK_US if o != r else 0.0
-            if overlappable:
-                y = m.var((c * (1.0 - self.eta) + tie) * count)
-                self.overlapped.add(y)
-            else:
-                y = m.var((c + tie) * count)
+        )
+        scale = (1.0 - self.eta) if overlappable else 1.0
+        ys = m.vars([(c * scale + (TIE_BREAK_US if o != r else 0.0)) * count for o, r, c in pairs])
+        if overlappable:
+            self.overlapped.update(ys)
+        for y, (o, r, c) in zip(ys, pairs):
             self.edge_vars.append((members, y, c))
             pair_vars.append((y, o, r))
             rows_o[o].append((y, 1.0))

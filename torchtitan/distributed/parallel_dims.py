@@ -27,13 +27,31 @@ def mesh_search_requested(parallelism) -> bool:
 
 
 def open_degrees(parallelism) -> dict[str, int | None]:
-    """Each degree by ParallelDims name: its size, or None when the mesh search chooses it
-    (`auto`, and the shard degree's -1 when another degree is auto)."""
+    """Each degree by ParallelDims name: its size, or None when a mesh search chooses it
+    (`auto`, and the shard degree's -1, whatever is left; called when some degree is auto)."""
     out: dict[str, int | None] = {}
     for name, option in DEGREES:
         value = getattr(parallelism, option)
         out[name] = None if value == AUTO or (name == "dp_shard" and value == -1) else value
     return out
+
+
+def check_search_degrees(parallelism, world_size: int) -> None:
+    """The degrees a mesh search keeps must be sizes (>= 1) whose product divides the world."""
+    fixed = 1
+    for name, option in DEGREES:
+        size = open_degrees(parallelism)[name]
+        if size is None:
+            continue
+        if size < 1:
+            allowed = "auto, -1 or >= 1" if name == "dp_shard" else "auto or >= 1"
+            raise ParallelismConfigError(f"--parallelism.{option} must be {allowed}, got {size}")
+        fixed *= size
+    if world_size % fixed:
+        raise ParallelismConfigError(
+            f"the fixed parallelism degrees multiply to {fixed}, which does not divide the "
+            f"world size {world_size}; leave more of them to the search (auto)"
+        )
 
 
 def mesh_dims(dp_replicate: int, dp_shard: int, tp: int) -> list[tuple[str, int]]:

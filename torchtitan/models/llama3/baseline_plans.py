@@ -13,9 +13,11 @@ ROWWISE = ("wo", "w2")
 Placements = tuple[Placement, ...]
 
 
-def dp_dim(names) -> int:
-    """The mesh dim FSDP shards on: `dp`, else the first."""
-    return names.index("dp") if "dp" in names else 0
+def dp_dim(names) -> int | None:
+    """The mesh dim FSDP shards on: `dp`, else the first that is not `tp`, else none."""
+    if "dp" in names:
+        return names.index("dp")
+    return next((d for d, n in enumerate(names) if n != "tp"), None)
 
 
 def tp_dim(names) -> int | None:

@@ -1,0 +1,255 @@
+"""`--parallelism.<degree> auto`: parsing, the degree helpers, who may ask for it (the
+planner specs), preflight, and how the trainer writes the chosen mesh back into the job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from torchtitan import preflight
+from torchtitan.config import ConfigError, ConfigManager, to_toml
+from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.parallel_dims import (
+    AUTO,
+    DEGREES,
+    ParallelDims,
+    ParallelismConfigError,
+    mesh_dims,
+    mesh_search_requested,
+    open_degrees,
+)
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.train import check_mesh_search_possible, resolve_auto_parallelism
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG_TOML = "torchtitan/models/llama3/train_configs/debug_model.toml"
+
+
+def parse(*argv):
+    return ConfigManager().parse_args(list(argv))
+
+
+# ------------------------------------------------------------------ config
+def test_cli_accepts_auto_or_an_integer():
+    assert AUTO == "auto"
+    cfg = parse("--parallelism.tensor_parallel_degree", "auto")
+    assert cfg.parallelism.tensor_parallel_degree == "auto"
+    assert cfg.parallelism.data_parallel_shard_degree == -1  # the others keep their defaults
+    four = parse("--parallelism.tensor_parallel_degree", "4").parallelism.tensor_parallel_degree
+    assert four == 4 and type(four) is int
+    replicate = parse("--parallelism.data_parallel_replicate_degree", "auto").parallelism
+    assert replicate.data_parallel_replicate_degree == "auto"
+
+
+@pytest.mark.parametrize("value", ["autox", "AUTO", "2.5"])
+def test_cli_rejects_anything_else_naming_the_option_and_what_is_allowed(value):
+    with pytest.raises(ConfigError) as err:
+        parse("--parallelism.tensor_parallel_degree", value)
+    assert str(err.value) == (
+        f"--parallelism.tensor_parallel_degree: expected int|{{auto}}, got {value!r}"
+    )
+
+
+def test_toml_auto_and_round_trip(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[parallelism]\ntensor_parallel_degree = "auto"\ndata_parallel_shard_degree = 2\n'
+    )
+    cfg = parse("--job.config_file", str(path))
+    assert cfg.parallelism.tensor_parallel_degree == "auto"
+    assert cfg.parallelism.data_parallel_shard_degree == 2
+    text = to_toml(cfg)
+    assert 'tensor_parallel_degree = "auto"' in text.splitlines()
+    assert "data_parallel_shard_degree = 2" in text.splitlines()
+    again_path = tmp_path / "again.toml"
+    again_path.write_text(text)
+    again = parse("--job.config_file", str(again_path))
+    assert again.parallelism == cfg.parallelism
+    # in TOML a quoted number is a string, not a degree
+    path.write_text('[parallelism]\ntensor_parallel_degree = "4"\n')
+    with pytest.raises(ConfigError) as err:
+        parse("--job.config_file", str(path))
+    assert str(err.value) == (
+        f"{path}: parallelism.tensor_parallel_degree: expected int|{{auto}}, got '4' (str)"
+    )
+
+
+# ------------------------------------------------------------------ degree helpers
+def test_mesh_search_requested_and_open_degrees():
+    assert not mesh_search_requested(Parallelism())
+    assert not mesh_search_requested(Parallelism(tensor_parallel_degree=4))
+    for _, option in DEGREES:
+        assert mesh_search_requested(Parallelism(**{option: "auto"})), option
+    assert open_degrees(Parallelism(tensor_parallel_degree="auto")) == {
+        "dp_replicate": 1,
+        "dp_shard": None,  # -1 next to an auto: left to the search
+        "tp": None,
+    }
+    assert open_degrees(
+        Parallelism(tensor_parallel_degree="auto", data_parallel_shard_degree=2)
+    ) == {"dp_replicate": 1, "dp_shard": 2, "tp": None}
+    assert open_degrees(
+        Parallelism(data_parallel_replicate_degree="auto", data_parallel_shard_degree="auto")
+    ) == {"dp_replicate": None, "dp_shard": None, "tp": 1}
+
+
+def test_mesh_dims_keep_dims_above_one_outermost_first():
+    assert mesh_dims(1, 8, 1) == [("dp_shard", 8)]
+    assert mesh_dims(1, 1, 4) == [("tp", 4)]
+    assert mesh_dims(1, 2, 4) == [("dp_shard", 2), ("tp", 4)]
+    assert mesh_dims(2, 2, 2) == [("dp_replicate", 2), ("dp_shard", 2), ("tp", 2)]
+    assert mesh_dims(2, 1, 4) == [("dp_replicate", 2), ("tp", 4)]
+    assert mesh_dims(1, 1, 1) == [("dp_shard", 1)]  # one rank: one dim of size 1
+
+
+@pytest.mark.parametrize("name, option", DEGREES)
+def test_parallel_dims_refuses_an_unresolved_auto(name, option):
+    degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, name: "auto"}
+    with pytest.raises(ParallelismConfigError) as err:
+        ParallelDims(**degrees, world_size=4)
+    assert str(err.value) == f"--parallelism.{option} auto: no mesh search chose it; give a number"
+    with pytest.raises(ParallelismConfigError, match=f"^--parallelism.{option} auto: "):
+        ParallelDims.from_config(Parallelism(**{option: "auto"}), 4)
+
+
+# ------------------------------------------------------------------ which specs may search
+def test_only_planner_specs_can_choose_their_mesh():
+    tp_auto = Parallelism(tensor_parallel_degree="auto")
+    with pytest.raises(ParallelismConfigError) as err:
+        check_mesh_search_possible(get_train_spec("llama3"), tp_auto, 4)
+    assert str(err.value) == (
+        "--parallelism.tensor_parallel_degree auto: the llama3 spec cannot choose its mesh "
+        "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+    )
+    # the message names the first degree left to auto
+    both = Parallelism(data_parallel_replicate_degree="auto", tensor_parallel_degree="auto")
+    with pytest.raises(ParallelismConfigError, match="^--parallelism.data_parallel_replicate_"):
+        check_mesh_search_possible(get_train_spec("llama3"), both, 4)
+    assert get_train_spec("llama3_auto_parallel").choose_mesh_fn is not None
+    check_mesh_search_possible(get_train_spec("llama3_auto_parallel"), tp_auto, 4)
+    check_mesh_search_possible(get_train_spec("hf_auto_parallel"), tp_auto, 4)
+
+
+def _config(*args):
+    return ConfigManager().parse_args(["--job.config_file", DEBUG_TOML, *args])
+
+
+def test_preflight_with_auto(monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ParallelismConfigError, match="the llama3 spec cannot choose its mesh"):
+        preflight.check(_config("--parallelism.tensor_parallel_degree", "auto"), 4)
+    line = preflight.check(
+        _config(
+            "--model.name", "llama3_auto_parallel", "--parallelism.tensor_parallel_degree", "auto"
+        ),
+        4,
+    )
+    assert line.startswith(
+        "preflight: mesh auto (the spec's mesh search plans every candidate at start), data "
+    )
+
+
+def test_preflight_error_line_for_the_manual_spec(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        preflight.main(
+            ["--world-size", "4", "--job.config_file", DEBUG_TOML]
+            + ["--parallelism.tensor_parallel_degree", "auto"]
+        )
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "error: --parallelism.tensor_parallel_degree auto: the llama3 spec cannot choose its "
+        "mesh (the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+    ]
+
+
+# ------------------------------------------------------------------ the trainer's contract
+class StubSpec:
+    """A spec whose mesh search answers dp_shard 2 x tp 2 and records what it was given."""
+
+    name = "stub"
+
+    def __init__(self, degrees=None):
+        self.degrees = degrees or {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+        self.calls = []
+
+    def choose_mesh_fn(self, model, model_args, job_config, world_size, global_batch):
+        self.calls.append((model, model_args, job_config, world_size, global_batch))
+        return dict(self.degrees)
+
+
+def test_resolve_writes_degrees_and_splits_the_pure_data_parallel_batch():
+    job_config = parse(
+        "--parallelism.tensor_parallel_degree", "auto", "--training.local_batch_size", "3"
+    )
+    spec, model, model_args = StubSpec(), object(), SimpleNamespace()
+    resolve_auto_parallelism(spec, model, model_args, job_config, 4)
+    # the global batch is what a pure data-parallel mesh of 4 gives: 3 x 4
+    assert spec.calls == [(model, model_args, job_config, 4, 12)]
+    p, training = job_config.parallelism, job_config.training
+    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (1, 2)
+    assert p.tensor_parallel_degree == 2
+    assert training.local_batch_size == 6 and training.global_batch_size == 12
+    assert not mesh_search_requested(p)
+    dims = ParallelDims.from_config(p, 4)  # now a mesh the trainer can build
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (1, 2, 2)
+
+
+def test_resolve_keeps_a_given_global_batch():
+    job_config = parse(
+        "--parallelism.tensor_parallel_degree", "auto", "--training.global_batch_size", "20"
+    )
+    spec = StubSpec({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    resolve_auto_parallelism(spec, None, None, job_config, 8)
+    assert [call[-1] for call in spec.calls] == [20]
+    p = job_config.parallelism
+    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (2, 2)
+    assert p.tensor_parallel_degree == 2
+    assert job_config.training.local_batch_size == 5  # 20 over 4 data-parallel ranks
+    assert job_config.training.global_batch_size == 20
+
+
+def test_resolve_does_nothing_without_auto_and_refuses_a_spec_that_cannot_search():
+    job_config = parse("--parallelism.tensor_parallel_degree", "2")
+    before = job_config.to_dict()
+    spec = StubSpec()
+    resolve_auto_parallelism(spec, None, None, job_config, 4)
+    assert spec.calls == [] and job_config.to_dict() == before
+
+    manual = SimpleNamespace(name="manual", choose_mesh_fn=None)
+    job_config = parse("--parallelism.data_parallel_shard_degree", "auto")
+    with pytest.raises(ParallelismConfigError, match="^--parallelism.data_parallel_shard_degree "):
+        resolve_auto_parallelism(manual, None, None, job_config, 4)
+    assert job_config.parallelism.data_parallel_shard_degree == "auto"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"data_parallel_replicate_degree": 0},
+            "--parallelism.data_parallel_replicate_degree must be auto or >= 1, got 0",
+        ),
+        (
+            {"data_parallel_shard_degree": 0},
+            "--parallelism.data_parallel_shard_degree must be auto, -1 or >= 1, got 0",
+        ),
+        (
+            {"data_parallel_replicate_degree": 3},
+            "the fixed parallelism degrees multiply to 3, which does not divide the world "
+            "size 4; leave more of them to the search (auto)",
+        ),
+    ],
+)
+def test_fixed_degrees_next_to_auto_are_checked(options, message):
+    parallelism = Parallelism(tensor_parallel_degree="auto", **options)
+    with pytest.raises(ParallelismConfigError) as err:
+        check_mesh_search_possible(get_train_spec("llama3_auto_parallel"), parallelism, 4)
+    assert str(err.value) == message
