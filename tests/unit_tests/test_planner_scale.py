@@ -76,6 +76,10 @@ def _solve(
         (["--flavor", "9B"], "unknown flavor"),
         (["--device", "tpu"], "unknown device"),
         (["--mesh", "a,b"], "integers"),
+        (["--mesh", "auto"], "--mesh auto needs --world N"),
+        (["--mesh", "auto", "--world", "8", "--mesh-names", "a"], "drop --mesh-names"),
+        (["--mesh", "8", "--world", "8"], "--world goes with --mesh auto"),
+        (["--mesh", "auto", "--world", "7", "--batch", "8"], "no (dp, tp) split of world 7"),
     ],
 )
 def test_plan_script_bad_input(argv, needle, capsys):
@@ -134,6 +138,35 @@ def test_plan_script_small_mesh(tmp_path):
     # the automatic plan is never predicted slower than a hand-written one (it could pick it)
     auto = plan["predicted"]["step_us"]
     assert auto <= min(b["predicted"]["step_us"] for b in base.values()) * 1.001
+
+
+def test_plan_script_mesh_auto(tmp_path):
+    """--world 4 --mesh auto: every (dp, tp) split the debug model allows is planned, the
+    table says which won and why the rest lost, the files carry it, and the chosen mesh's
+    plan is reported as for a given mesh."""
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "plan.py"),
+        *("--flavor", "debugmodel", "--layers", "2", "--vocab", "512", "--seq-len", "32"),
+        *("--world", "4", "--mesh", "auto", "--device", "h100", "--no-baselines"),
+        *("--out-dir", str(tmp_path)),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    search = json.loads((tmp_path / "mesh_search.json").read_text())
+    meshes = {tuple(zip(c["mesh"]["names"], c["mesh"]["shape"])) for c in search["results"]}
+    assert meshes == {(("tp", 4),), (("dp", 2), ("tp", 2)), (("dp", 4),)}
+    steps = [c["predicted"]["step_us"] for c in search["results"]]
+    best = search["results"][search["chosen"]]
+    assert best["predicted"]["step_us"] == min(steps) and search["search_s"] > 0
+    label = " x ".join(f"{n} {k}" for n, k in zip(best["mesh"]["names"], best["mesh"]["shape"]))
+    assert f"mesh search (world 4, 3 candidates): {label}, predicted step" in r.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["mesh_shape"] == best["mesh"]["shape"]
+    assert plan["predicted"]["step_us"] == pytest.approx(best["predicted"]["step_us"])
+    html = (tmp_path / "plan.html").read_text()
+    assert "<h2>mesh search</h2>" in html and html.count("<tr") >= 4
 
 
 # ------------------------------------------------------------------ clustering is exact
