@@ -22,57 +22,19 @@ Prints a markdown table (paste into benchmarks/mesh_search.md).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from plan_script import run_plan_script
+
 DEFAULT = ["8B:64", "8B:64:fp32", "70B:256", "405B:512:bf16:256"]
 USUAL = {"8B": lambda w: ([w], "dp", "FSDP"), "70B": lambda w: ([w // 8, 8], "dp,tp", "FSDP+TP")}
 USUAL["405B"] = USUAL["70B"]
 
 
 def plan(flavor: str, mesh_args: list[str], precision: str, gib: float, batch: int, a) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        cmd = [
-            sys.executable,
-            str(REPO / "scripts" / "plan.py"),
-            "--flavor",
-            flavor,
-            *mesh_args,
-            "--device",
-            "h100",
-            "--batch",
-            str(batch),
-            "--seq-len",
-            str(a.seq_len),
-            "--mixed-precision",
-            "bf16" if precision == "bf16" else "none",
-            "--memory-gib",
-            str(gib),
-            "--time-limit",
-            str(a.time_limit),
-            "--out-dir",
-            d,
-        ]
-        r = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=a.timeout,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        if r.returncode != 0:
-            return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-        out = {"summary": json.loads((Path(d) / "summary.json").read_text())}
-        search = Path(d) / "mesh_search.json"
-        if search.exists():
-            out["search"] = json.loads(search.read_text())
-        return out
+    args = ["--flavor", flavor, *mesh_args, "--device", "h100", "--batch", str(batch)]
+    args += ["--seq-len", str(a.seq_len), "--memory-gib", str(gib)]
+    args += ["--mixed-precision", "bf16" if precision == "bf16" else "none"]
+    return run_plan_script([*args, "--time-limit", str(a.time_limit)], a.timeout)
 
 
 def row(config: str, a) -> str:
@@ -100,7 +62,7 @@ def row(config: str, a) -> str:
     head = f"| {flavor} | {world} | {precision} | {gib:g} |"
     if "error" in auto or "error" in usual:
         return head + f" error: {auto.get('error') or usual.get('error')} |||||||"
-    s = auto["search"]
+    s = auto["mesh_search"]
     best = s["results"][s["chosen"]]
     mesh = " x ".join(f"{n} {k}" for n, k in zip(best["mesh"]["names"], best["mesh"]["shape"]))
     step = best["predicted"]["step_us"] / 1e3

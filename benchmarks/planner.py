@@ -21,65 +21,34 @@ Prints a markdown table (paste into benchmarks/planner.md):
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from plan_script import run_plan_script
+
 # FLAVOR:MESH[:GiB per rank]; the last row gives 405B a budget the hand-written plan fits in
 DEFAULT = ["8B:8", "8B:8,8", "70B:32,8", "405B:64,8", "405B:64,8:256"]
 BUDGET_GIB = 80.0
 
 
 def run_one(flavor: str, mesh: str, budget: float, a) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        shape = [int(x) for x in mesh.split(",")]
-        names = "dp" if len(shape) == 1 else "dp,tp"
-        cmd = [
-            sys.executable,
-            str(REPO / "scripts" / "plan.py"),
-            "--flavor",
-            flavor,
-            "--mesh",
-            mesh,
-            "--mesh-names",
-            names,
-            "--device",
-            "h100",
-            "--batch",
-            str(shape[0]),
-            "--seq-len",
-            str(a.seq_len),
-            "--mixed-precision",
-            "bf16",
-            "--memory-gib",
-            str(budget),
-            "--time-limit",
-            str(a.time_limit),
-            "--apply",
-            "--out-dir",
-            d,
-        ]
-        if a.layers:
-            cmd += ["--layers", str(a.layers)]
-        r = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=a.timeout,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        if r.returncode != 0:
-            return {
-                "flavor": flavor,
-                "mesh": mesh,
-                "error": (r.stderr.strip().splitlines() or ["?"])[-1],
-            }
-        return {**json.loads((Path(d) / "summary.json").read_text()), "budget_gib": budget}
+    shape = [int(x) for x in mesh.split(",")]
+    args = [
+        "--flavor",
+        flavor,
+        "--mesh",
+        mesh,
+        "--mesh-names",
+        "dp" if len(shape) == 1 else "dp,tp",
+    ]
+    args += ["--device", "h100", "--batch", str(shape[0]), "--seq-len", str(a.seq_len)]
+    args += ["--mixed-precision", "bf16", "--memory-gib", str(budget)]
+    args += ["--time-limit", str(a.time_limit), "--apply"]
+    if a.layers:
+        args += ["--layers", str(a.layers)]
+    out = run_plan_script(args, a.timeout)
+    if "error" in out:
+        return {"flavor": flavor, "mesh": mesh, "error": out["error"]}
+    return {**out["summary"], "budget_gib": budget}
 
 
 def row(s: dict) -> str:

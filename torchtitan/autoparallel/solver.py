@@ -199,8 +199,9 @@ class _Model:
            the one-hot groups the relaxation left undecided (plus `free_groups`, the
            parameter-side choices: fixing those around one fractional group left 405B at
            80 GiB 2.7% above its optimum) and the columns whose reduced cost is within
-           `rel_gap` of the bound.  A plan within `rel_gap` of the LP bound is optimal to
-           that tolerance however it was found.
+           `HEURISTIC_SLACK` of the bound (all of them if that leaves no plan).  A plan
+           within `rel_gap` of the LP bound is optimal to that tolerance however it was
+           found.
         3. Otherwise the whole 0/1 program, minus the columns LP duality shows no plan
            cheaper than that one can use (`_reduced_cost_fixing`), started from it.
         Fractional relaxations here are a few groups mixing two layouts half and half

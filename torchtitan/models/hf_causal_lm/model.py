@@ -87,6 +87,19 @@ class HFModelArgs(BaseModelArgs):
         config.use_cache = False
         self.config = config
 
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """The config's head counts and widths that it states (names as in the config)."""
+        names = (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+        )
+        return {
+            n: v for n in names if isinstance(v := getattr(self.config, n, None), int) and v > 0
+        }
+
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameters and training FLOPs per token, counted as for Llama 3: 6 per
         non-embedding parameter plus the attention score and value matmuls."""
