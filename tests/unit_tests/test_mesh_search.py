@@ -322,6 +322,16 @@ def test_verdict_and_table():
     # no proven gap: nothing is certified
     unknown = MeshSearch(8, [_result(DP8, 5000.0, None), _result(DP4_TP2, 1000.0, 0.0)], chosen=1)
     assert unknown.proven_margin == pytest.approx(-1.0)
+    # a tie (two meshes with the same plan cost) is named, and the rest still certified
+    tie = MeshSearch(
+        8,
+        [_result(DP8, 1000.0, 0.0), _result(DP4_TP2, 1500.0, 0.0), _result(TP8, 1000.0, 0.0)],
+        chosen=0,
+    )
+    assert tie.tied == [2] and tie.proven_margin == pytest.approx(0.5)
+    assert tie.verdict().endswith(
+        "(tied with tp 8; proven best: every other mesh's plans are at least 50.00% slower)"
+    )
     only = MeshSearch(8, [_result(DP8, 1000.0, 0.0)], chosen=0)
     assert only.proven_margin is None and only.verdict().endswith("(the only candidate)")
     # every other mesh has no plan: nothing to beat, said in words (not "inf%"), and the

@@ -92,10 +92,25 @@ class MeshSearch:
         in the solver's objective (the step plus its tie-breaks of 0.01 us per placement
         change): >= 0 means no other mesh can be cheaper; inf when no other mesh has a
         plan; None when there is no other candidate."""
-        others = [r.lower_bound for i, r in enumerate(self.results) if i != self.chosen]
+        others = [
+            r.lower_bound
+            for i, r in enumerate(self.results)
+            if i != self.chosen and i not in self.tied
+        ]
         if not others:
             return None
         return min(others) / self.best.objective - 1.0
+
+    @property
+    def tied(self) -> list[int]:
+        """Other candidates whose predicted step equals the chosen one's (within TIE_REL):
+        the caller's tie-break chose between them."""
+        best = self.best.step_us
+        return [
+            i
+            for i, r in enumerate(self.results)
+            if i != self.chosen and r.fits and abs(r.step_us - best) <= TIE_REL * abs(best)
+        ]
 
     def table(self) -> str:
         rows = [("", "mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "plan s")]
@@ -122,14 +137,17 @@ class MeshSearch:
 
     def verdict(self) -> str:
         best, margin = self.best, self.proven_margin
+        ties = ", ".join(self.results[i].mesh.label() for i in self.tied)
         if margin is None:
-            proof = "the only candidate"
+            proof = f"tied with {ties}" if ties else "the only candidate"
         elif math.isinf(margin):
             proof = "the only one with a plan"
         elif margin >= 0:
             proof = f"proven best: every other mesh's plans are at least {margin:.2%} slower"
         else:
             proof = f"best found; the solver's gaps leave {-margin:.2%} for another mesh"
+        if ties and margin is not None:
+            proof = f"tied with {ties}; {proof}"
         return (
             f"mesh search (world {self.world}, {len(self.results)} candidates): "
             f"{best.mesh.label()}, predicted step {best.step_us / 1e3:.2f} ms ({proof})"
