@@ -20,6 +20,7 @@ from torch import nn
 
 from torchtitan.autoparallel.api import on_rank0
 from torchtitan.autoparallel.cost import resolve_cost_model
+from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,
     MeshSearch,
@@ -28,6 +29,7 @@ from torchtitan.autoparallel.mesh_search import (
 )
 from torchtitan.distributed.parallel_dims import mesh_dims, open_degrees
 from torchtitan.distributed.utils import device_type
+from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
     _constrain,
     _cost_model_name,
@@ -132,6 +134,9 @@ def choose_mesh(
             )
         return result.to_json()
 
-    result = MeshSearch.from_json(on_rank0(search))
+    try:
+        result = MeshSearch.from_json(on_rank0(search))
+    except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
+        raise UserInputError(f"auto-parallel planner: {e}") from None
     logger.info(f"{result.verdict()}\n{result.table()}")
     return by_mesh[result.best.mesh]
