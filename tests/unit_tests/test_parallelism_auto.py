@@ -253,3 +253,33 @@ def test_fixed_degrees_next_to_auto_are_checked(options, message):
     with pytest.raises(ParallelismConfigError) as err:
         check_mesh_search_possible(get_train_spec("llama3_auto_parallel"), parallelism, 4)
     assert str(err.value) == message
+
+
+def test_hf_config_states_its_tensor_parallel_sizes():
+    """A Hugging Face config's heads and widths bound the tp degrees the search tries."""
+    pytest.importorskip("transformers")
+    import types
+
+    from torchtitan.experiments.auto_parallel.mesh_choice import candidate_degrees
+    from torchtitan.models.hf_causal_lm.model import HFModelArgs
+
+    args = HFModelArgs(config_path=str(REPO / "tests/assets/hf_llama_debug"))
+    job = _config("--model.name", "hf_auto_parallel")
+    args.update_from_config(job, types.SimpleNamespace(vocab_size=2000))
+    assert args.tensor_parallel_sizes() == {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "vocab_size": 2000,
+    }
+    keep, skipped = candidate_degrees(
+        Parallelism(tensor_parallel_degree="auto"), 32, 32, args.tensor_parallel_sizes(), 256, 32
+    )
+    assert [d["tp"] for d in keep] == [16, 8, 4, 2, 1]
+    assert skipped == [
+        (
+            {"dp_replicate": 1, "dp_shard": 1, "tp": 32},
+            "tp 32 does not divide num_attention_heads 16, num_key_value_heads 16, vocab_size 2000",
+        )
+    ]
