@@ -31,11 +31,11 @@ from torchtitan.distributed.parallel_dims import mesh_dims, open_degrees
 from torchtitan.distributed.utils import device_type
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
-    _constrain,
-    _cost_model_name,
-    _plan_cache,
-    _planner,
-    _settings,
+    add_job_constraints,
+    cost_model_name,
+    plan_cache_folder,
+    planner_for_job,
+    planner_settings,
 )
 from torchtitan.tools.logging import logger
 
@@ -94,7 +94,7 @@ def choose_mesh(
     """The degrees (`dp_replicate`, `dp_shard`, `tp`) of the cheapest candidate mesh; call
     on every rank (rank 0 searches, the others receive its answer)."""
     parallelism = job_config.parallelism
-    cost_model = resolve_cost_model(_cost_model_name(_settings(job_config).cost_model))
+    cost_model = resolve_cost_model(cost_model_name(planner_settings(job_config).cost_model))
     keep, skipped = candidate_degrees(
         parallelism,
         world_size,
@@ -117,18 +117,18 @@ def choose_mesh(
         from torchtitan.torch_private import planning_mesh
 
         mesh = planning_mesh(device_type(), first.shape, first.names)
-        with _planner(model, mesh, job_config, vocab_size, global_batch) as autop:
+        with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
             result = search_meshes(
                 autop,
                 list(by_mesh),
-                lambda sub, cand: _constrain(
+                lambda sub, cand: add_job_constraints(
                     sub,
                     cand.names,
                     cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
                     job_config,
                 ),
                 tie_break=lambda cand: cand.size("tp"),
-                cache_dir=_plan_cache(job_config),
+                cache_dir=plan_cache_folder(job_config),
                 device_type=device_type(),
                 skipped=[(_label(d), why) for d, why in skipped],
             )

@@ -39,7 +39,7 @@ def _batch_placements(mesh_dim_names: tuple[str, ...], tp_placement) -> list:
     return [tp_placement if name == "tp" else Shard(0) for name in mesh_dim_names]
 
 
-def _cost_model_name(setting: str) -> str:
+def cost_model_name(setting: str) -> str:
     """`--autoparallel.cost_model`: a device name, or auto (the device this job runs on)."""
     if setting != "auto":
         return setting.lower()
@@ -73,12 +73,12 @@ def parallelize_auto(
         raise UserInputError(f"auto-parallel planner: {e}") from None
 
 
-def _planner(
+def planner_for_job(
     model: nn.Module, mesh, job_config: Any, vocab_size: int, global_batch: int
 ) -> AutoParallel:
     """The planner for this job's model and precision on `mesh` (not yet entered)."""
     training = job_config.training
-    settings = _settings(job_config)
+    settings = planner_settings(job_config)
 
     def input_fn():
         return torch.randint(0, vocab_size, (global_batch, training.seq_len), dtype=torch.long)
@@ -92,22 +92,22 @@ def _planner(
         input_fn,
         mesh,
         mp_policy=mp_policy,
-        cost_model=_cost_model_name(settings.cost_model),
+        cost_model=cost_model_name(settings.cost_model),
         solver_time_limit=settings.solver_time_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
     )
 
 
-def _settings(job_config: Any) -> AutoParallelConfig:
+def planner_settings(job_config: Any) -> AutoParallelConfig:
     return getattr(job_config, "autoparallel", None) or AutoParallelConfig()
 
 
-def _constrain(
+def add_job_constraints(
     autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config
 ) -> None:
     """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
     batch split over every data-parallel dim, logits split over tp with loss parallelism."""
-    settings = _settings(job_config)
+    settings = planner_settings(job_config)
     autop.add_parameter_memory_constraint(low=None, high=None)
     if settings.memory_budget_gib is not None:
         autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
@@ -117,8 +117,11 @@ def _constrain(
     )
 
 
-def _plan_cache(job_config: Any) -> Path | None:
-    return Path(job_config.job.dump_folder) / "plans" if _settings(job_config).plan_cache else None
+def plan_cache_folder(job_config: Any) -> Path | None:
+    """{dump_folder}/plans, or None with `--autoparallel.no_plan_cache`."""
+    if not planner_settings(job_config).plan_cache:
+        return None
+    return Path(job_config.job.dump_folder) / "plans"
 
 
 def _parallelize(
@@ -129,9 +132,9 @@ def _parallelize(
     loss_parallel = parallel_dims.loss_parallel_enabled
     global_batch = job_config.training.local_batch_size * parallel_dims.dp_degree
     start = time.perf_counter()
-    with _planner(model, mesh, job_config, vocab_size, global_batch) as autop:
-        _constrain(autop, names, loss_parallel, job_config)
-        plan = autop.optimize_placement(broadcast=True, cache_dir=_plan_cache(job_config))
+    with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
+        add_job_constraints(autop, names, loss_parallel, job_config)
+        plan = autop.optimize_placement(broadcast=True, cache_dir=plan_cache_folder(job_config))
         parallel_model = autop.apply_placement(plan)
     logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan.summary()}")
 
