@@ -30,6 +30,7 @@ from . import placements as P
 from . import repeat
 from .apply import GraphRunner, build_parallel_module
 from .buckets import fsdp_units, regathered_params
+from .recompute import POLICIES, check_policy
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
@@ -117,6 +118,11 @@ class AutoParallel:
     all but the root and the last unit) re-gathers parameters in the backward instead of
     keeping them; `bucket` merges each unit's parameter gathers and gradient reductions
     (buckets.py).
+
+    `recompute`: what each repeated block recomputes in the backward instead of keeping it
+    (recompute.py): "none", "selective" or "full" for every block, or "auto" to let the solver
+    choose per block under the memory budget (`add_memory_constraint`), pricing the
+    recomputation's time against the sharding choices.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class AutoParallel:
         executor: str = "lowered",
         reshard_after_forward: bool | str = True,
         bucket: bool = True,
+        recompute: str = "none",
     ):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -150,6 +157,9 @@ class AutoParallel:
         self.backward = backward
         self.executor = executor
         self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
+        if recompute != "auto":
+            check_policy(recompute)
+        self.recompute = recompute
         self.timings: dict[str, float] = {}
         self._constraints: list[UserConstraint] = []
         self._inputs_set = self._outputs_set = False
@@ -248,12 +258,26 @@ class AutoParallel:
             regathered=regathered_params(
                 self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
             ),
+            recompute=self._recompute_options(),
         )
         t = time.perf_counter()
         removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
         self._cluster()
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
+
+    def _recompute_options(self) -> tuple[str, ...]:
+        if self.recompute == "none":
+            return ("none",)
+        if not self.blocks:
+            if self.recompute == "auto":
+                return ("none",)
+            raise PlannerError(
+                f"recompute={self.recompute!r} recomputes repeated blocks, and the model has "
+                f"no stack of {repeat.MIN_BLOCKS} or more identical blocks (or "
+                "share_repeated=False); use recompute='none'"
+            )
+        return POLICIES if self.recompute == "auto" else (self.recompute,)
 
     def _cluster(self) -> None:
         """Group identical nodes (cluster.py), keeping pinned nodes apart; redone when the pins
@@ -334,7 +358,7 @@ class AutoParallel:
         self._constraints = [c for c in self._constraints if not isinstance(c, MemoryBudget)]
         self._constraints.append(
             MemoryBudget(
-                f"memory budget {bytes_per_rank / 2**30:.3f} GiB per rank", float(bytes_per_rank)
+                f"memory budget {bytes_per_rank / 2**30:.4g} GiB per rank", float(bytes_per_rank)
             )
         )
 

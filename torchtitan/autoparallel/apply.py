@@ -38,6 +38,7 @@ from . import placements as P
 from .errors import PlannerError
 from .graph_nodes import is_getitem
 from .plan import Plan, graph_fingerprint
+from .recompute import check_policy, describe_policies
 from .trace import TracedGraph
 
 
@@ -121,6 +122,12 @@ class GraphRunner:
         if executor not in ("lowered", "dtensor"):
             raise PlannerError(f"executor must be 'lowered' or 'dtensor', got '{executor}'")
         self.tg, self.plan, self.mesh = tg, plan, mesh
+        self.recompute = {b: check_policy(p) for b, p in plan.recompute.items() if p != "none"}
+        if self.recompute and executor != "lowered":
+            raise PlannerError(
+                f"the plan recomputes activations ({describe_policies(self.recompute)}), which "
+                "only executor='lowered' does"
+            )
         self.backward = backward
         self.executor = executor
         self.reshard_policy, self.bucket = policy, bucket

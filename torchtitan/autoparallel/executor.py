@@ -48,7 +48,7 @@ class LoweredPlan:
         joint = lower_joint(
             runner, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
         )
-        part = partition(joint, runner.kept_gathered())
+        part = partition(joint, runner.kept_gathered(), runner.recompute)
         self.stats = bucket_collectives(part, runner.units, enabled=runner.bucket)
         self.partition = part
         self.n_out = part.n_outputs

@@ -14,6 +14,7 @@ import torch.fx as fx
 from .errors import PlannerError
 from .graph_nodes import is_placed
 from .plan import Plan, graph_fingerprint
+from .recompute import expand_policies
 from .repeat import RepeatedBlocks
 
 
@@ -22,7 +23,11 @@ def expand_plan(plan: Plan, full_tg) -> Plan:
     blocks = [RepeatedBlocks.from_json(b) for b in plan.blocks]
     nodes = expand_nodes(plan.nodes, full_tg.gm, full_tg.labels, blocks)
     return dataclasses.replace(
-        plan, nodes=nodes, blocks=[], graph_fingerprint=graph_fingerprint(full_tg.gm)
+        plan,
+        nodes=nodes,
+        blocks=[],
+        graph_fingerprint=graph_fingerprint(full_tg.gm),
+        recompute=expand_policies(plan.recompute, blocks),
     )
 
 

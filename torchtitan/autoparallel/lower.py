@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import PlannerError
+from .recompute import block_label, block_recompute, split_saved
+from .repeat import LABEL_KEY
 
 PARAM, BUFFER, INPUT, TANGENT = "param", "buffer", "input", "tangent"
 
@@ -77,7 +80,13 @@ def lower_joint(
         env = {k: _wrap(x, mesh, pl, k.meta["val"]) for k, x, pl in zip(keys, ls, placements)}
         env.update(consts)
         for node in nodes:
-            runner._exec(node, env, device, param_casts=False)
+            lab = block_label(node)
+            if lab is None:
+                runner._exec(node, env, device, param_casts=False)
+                continue
+            # the local ops (collectives included) made for this node carry its block label
+            with fx_traceback.annotate({LABEL_KEY: lab}):
+                runner._exec(node, env, device, param_casts=False)
         outs = [
             runner._redistribute(env[n], runner.output_pls[i]).to_local()
             for i, n in enumerate(tg.outputs)
@@ -87,7 +96,7 @@ def lower_joint(
         ]
         return outs + grads
 
-    with torch.no_grad():
+    with torch.no_grad(), fx_traceback.preserve_node_meta():
         gm = make_fx(joint, tracing_mode="fake")(*locals_)
     _check_constants(gm, {id(c._local_tensor) for c in consts.values()})
     kinds = [
@@ -129,10 +138,14 @@ def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
+def partition(
+    joint: LocalJoint, keep: set[str] | None = None, policies: dict[str, str] | None = None
+) -> Partition:
     """Split the local joint graph into forward and backward graphs (see module docstring).
     Values computed from parameters/buffers alone are recomputed in the backward unless they
-    read one named in `keep` (None: keep them all, no recompute)."""
+    read one named in `keep` (None: keep them all).  `policies` (block label -> recompute
+    policy, recompute.py) makes blocks recompute their activations in the backward: each
+    recomputed value is made again just before the first backward op that needs it."""
     graph = joint.gm.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     kind = dict(zip(phs, joint.kinds))
@@ -148,35 +161,27 @@ def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
         ):
             backward.add(n)
     params = {p for p in phs if kind[p] in (PARAM, BUFFER)}
-    recompute: set[fx.Node] = set()
+    regather: set[fx.Node] = set()
     if keep is not None:
-        recompute = param_side(graph.nodes, {p for p in params if name[p] not in keep})
+        regather = param_side(graph.nodes, {p for p in params if name[p] not in keep})
+    in_block = block_recompute(policies or {})
 
     # forward values the backward reads (gradients that need no tangent count as read)
     needed = [
-        a for n in graph.nodes if n in backward for a in n.all_input_nodes if a not in backward
+        (a, block_label(n))
+        for n in graph.nodes
+        if n in backward
+        for a in n.all_input_nodes
+        if a not in backward
     ]
-    needed += [g for g in grad_outs if isinstance(g, fx.Node) and g not in backward]
-    saved: list[fx.Node] = []
-    bwd_recompute: set[fx.Node] = set()
-    stack = list(dict.fromkeys(needed))
-    seen: set[fx.Node] = set()
-    while stack:
-        a = stack.pop()
-        if a in seen:
-            continue
-        seen.add(a)
-        if a in recompute:
-            bwd_recompute.add(a)
-            stack.extend(a.all_input_nodes)
-        else:
-            saved.append(a)
+    needed += [(g, None) for g in grad_outs if isinstance(g, fx.Node) and g not in backward]
+    saved, recomputed = split_saved(needed, lambda n, reader: n in regather or in_block(n, reader))
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 
     fwd = _subgraph(joint.gm, [p for p in phs if kind[p] != TANGENT], fwd_outs + saved)
     tangents = [p for p in phs if kind[p] == TANGENT]
-    body = [n for n in graph.nodes if n in backward or n in bwd_recompute]
+    body = _backward_body(graph, backward, set(recomputed), regather, order)
     bwd = _subgraph(joint.gm, saved + tangents, grad_outs, body)
     return Partition(
         fwd,
@@ -186,6 +191,32 @@ def partition(joint: LocalJoint, keep: set[str] | None = None) -> Partition:
         fwd_names=[name[p] for p in phs if kind[p] != TANGENT],
         saved_names=[name.get(s) for s in saved],
     )
+
+
+def _backward_body(
+    graph: fx.Graph, backward: set, recomputed: set, regather: set, order: dict
+) -> list[fx.Node]:
+    """The backward graph's nodes in execution order: re-gathered parameters first (the
+    bucketing pass schedules them), then the backward ops, each preceded by the recomputed
+    values it is the first to need (so a block's activations are made again only when the
+    backward reaches that block)."""
+    body = [n for n in graph.nodes if n in recomputed and n in regather]
+    block_rc = recomputed - regather
+    done: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n not in backward:
+            continue
+        pending, stack = [], [a for a in n.all_input_nodes if a in block_rc]
+        while stack:
+            a = stack.pop()
+            if a in done:
+                continue
+            done.add(a)
+            pending.append(a)
+            stack.extend(b for b in a.all_input_nodes if b in block_rc)
+        body += sorted(pending, key=order.__getitem__)
+        body.append(n)
+    return body
 
 
 def _subgraph(

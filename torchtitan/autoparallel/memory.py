@@ -1,23 +1,36 @@
-"""Per-rank memory model: parameters, gradients, optimizer state and saved activations.
+"""Per-rank memory model: parameters, gradients, optimizer state, saved activations and the
+activations a block recomputes.
 
 Bytes per rank of a plan = sum over parameters of local bytes x (1 parameter + 1 gradient)
 + local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes) + sum over saved
-activations of their local bytes.  Saved activations are read off the joint graph: the
-outputs of forward nodes consumed by a backward node (what autograd keeps alive between
-forward and backward), and the forward outputs (the caller holds them until its loss is
-done); a saved view counts as its base, counted once.  When the plan redistributes a tensor
-on its way into a saved view (the transpose of an all-gathered weight, read by the backward
-for the input gradient), the view keeps that new copy alive: a "copy" term, counted on the
-edge, in the placement the view receives.  All of them are
-assumed alive at once (the forward/backward boundary), which is where a training step
-without activation checkpointing peaks.  Temporary buffers inside one op are not counted.
-Parameters the executor re-gathers in the backward (`regathered`, its reshard-after-forward
-policy) keep nothing of their chain alive: values computed on a parameter's single-input chain
-(its cast, transpose, gathered copy) are recomputed, so they count for no saved bytes.
+activations of their local bytes + the largest block's recomputed activations.
 
-Every term is linear in the strategy choice of one node, so the budget is one linear row
-of the 0/1 program.  In a shallow trace (repeat.py) a term counts once per block it stands
-for (`TracedGraph.weight`).
+*Saved activations* are read off the joint graph under each block's recompute policy
+(recompute.py): the forward values the backward reads, or, for a block that recomputes,
+what its recomputation reads from outside the block; plus the forward outputs (the caller
+holds them until its loss is done).  A saved view counts as its base, counted once.  When the
+plan redistributes a tensor on its way into a saved view (the transpose of an all-gathered
+weight, read by the backward for the input gradient), the view keeps that new copy alive: a
+"copy" term, counted on the edge, in the placement the view receives.  Parameters the
+executor re-gathers in the backward (`regathered`, its reshard-after-forward policy) keep
+nothing of their chain alive: values computed on a parameter's single-input chain (its cast,
+transpose, gathered copy) are recomputed, so they count for no saved bytes.
+
+*Where the peak is.*  Without recomputation every saved value is alive at the
+forward/backward boundary, and the step peaks there.  With it, block k's backward first makes
+its recomputed values again ("recompute" terms: every non-view value the policy recomputes,
+each at its local size) while the values saved by blocks before k are still alive.  So the
+peak is at most  static + sum of all saved values + max over blocks of the block's
+recomputed bytes:  the earlier blocks' saved values are a subset of all of them, and the
+boundary (no recomputed value alive yet) is covered too.  It is attained by the last block
+that recomputes when the blocks are alike.  Recomputed values all alive at once is an upper
+bound too: the eager backward frees each after its last use.  Not counted: temporaries inside
+one op, activation gradients of the backward, and communication buffers.
+
+Every term is linear in the strategy choice of one node (and, for block terms, the block's
+policy), so the budget is one linear row of the 0/1 program, plus one row per block bounding
+the recompute peak.  In a shallow trace (repeat.py) a saved term counts once per block it
+stands for (`TracedGraph.weight`); a recompute term counts once (one block at a time).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from . import placements as P
+from .recompute import block_label, block_recompute, split_saved
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
@@ -39,8 +53,17 @@ class MemoryTerm:
     node: fx.Node  # strategy node whose choice decides the local size
     idx: int  # output index of that node
     full_bytes: float  # bytes of the global tensor, times the per-element multiplier
-    kind: str  # "param" | "activation" | "copy"
+    kind: str  # "param" | "activation" | "copy" | "recompute"
     arg: int | None = None  # "copy": the view's input (index into its sources) whose copy is held
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.node, self.idx, self.arg)
+
+    @property
+    def block(self) -> str | None:
+        """The block whose policy decides this term (None: no block's alone)."""
+        return block_label(self.node)
 
 
 def _base(src):
@@ -60,26 +83,34 @@ def _is_view(node: fx.Node) -> bool:
     )
 
 
-def _saved(tg: TracedGraph) -> list[tuple[fx.Node, int]]:
-    """(node, output index) of every forward tensor the backward reads, and the outputs."""
+def _needed(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
+    """(forward value, block of the backward node reading it) for every read across the
+    forward/backward boundary, and (output, None) for the forward outputs."""
     fwd = tg.forward_nodes
-    seen: dict = {}
+    out = []
     for node in tg.gm.graph.nodes:
         if node in fwd or node.op != "call_function":
             continue
-        for a in node.all_input_nodes:
-            if a in fwd:
-                seen[resolve_source(a)] = True
-    for out in tg.outputs:
-        seen[resolve_source(out)] = True
-    return list(seen)
+        reader = block_label(node)
+        out += [(a, reader) for a in node.all_input_nodes if a in fwd]
+    out += [(o, None) for o in tg.outputs]
+    return out
 
 
-def saved_activations(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
+def _saved(tg: TracedGraph, policy: str) -> tuple[list, set[fx.Node]]:
+    """(node, output index) of every saved forward tensor when every block follows `policy`,
+    and the nodes the blocks recompute."""
+    saved, recomputed = split_saved(_needed(tg), block_recompute(policy))
+    return list(dict.fromkeys(resolve_source(n) for n in saved)), set(recomputed)
+
+
+def saved_activations(
+    tg: TracedGraph, table: StrategyTable, policy: str = "none"
+) -> list[tuple[fx.Node, int]]:
     """(producer, output index) of every saved forward tensor (views -> base), see module doc."""
     params = set(tg.params.values()) | set(tg.buffers.values())
     seen: dict = {}
-    for src in _saved(tg):
+    for src in _saved(tg, policy)[0]:
         src = _base(src)
         if src[0] in params or src[0] not in table.nodes:
             continue
@@ -91,11 +122,13 @@ def saved_activations(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.No
     return list(seen)
 
 
-def saved_view_inputs(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.Node, int]]:
+def saved_view_inputs(
+    tg: TracedGraph, table: StrategyTable, policy: str = "none"
+) -> list[tuple[fx.Node, int]]:
     """(view node, source index) of every edge into a view on a saved tensor's chain to its
     base: a redistribution there makes the copy the saved view keeps alive."""
     edges: dict = {}
-    for node, _idx in _saved(tg):
+    for node, _idx in _saved(tg, policy)[0]:
         while _is_view(node) and node in table.nodes:
             ns = table.nodes[node]
             if not ns.sources:
@@ -103,6 +136,21 @@ def saved_view_inputs(tg: TracedGraph, table: StrategyTable) -> list[tuple[fx.No
             edges[(node, 0)] = True
             node = ns.sources[0][0]
     return list(edges)
+
+
+def recomputed_values(
+    tg: TracedGraph, table: StrategyTable, policy: str
+) -> list[tuple[fx.Node, int]]:
+    """(node, output index) of every tensor the blocks make again under `policy` (views,
+    which allocate nothing, left out)."""
+    out = []
+    for node in _saved(tg, policy)[1]:
+        if node not in table.nodes or _is_view(node):
+            continue
+        v = node.meta.get("val")
+        vals = list(v) if isinstance(v, (list, tuple)) else [v]
+        out += [(node, i) for i, x in enumerate(vals) if isinstance(x, torch.Tensor)]
+    return out
 
 
 def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
@@ -136,7 +184,9 @@ def memory_terms(
     table: StrategyTable,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
     regathered: frozenset[str] = frozenset(),
+    policy: str = "none",
 ) -> list[MemoryTerm]:
+    """Every term of the model when every block follows `policy` (module docstring)."""
     terms = []
     chain = param_chains(tg, table) if regathered else {}
     recomputed = lambda n: chain.get(n) in regathered  # noqa: E731
@@ -144,19 +194,48 @@ def memory_terms(
         v = pnode.meta["val"]
         per_elem = 2 * v.element_size() + optim_bytes_per_elem
         terms.append(MemoryTerm(pnode, 0, float(v.numel() * per_elem), "param"))
-    for node, idx in saved_activations(tg, table):
+    for node, idx in saved_activations(tg, table, policy):
         if recomputed(node):
             continue
-        v = node.meta["val"]
-        if isinstance(v, (list, tuple)):
-            v = v[idx]
+        v = _source_value((node, idx))
         terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation"))
-    for node, k in saved_view_inputs(tg, table):
+    for node, k in saved_view_inputs(tg, table, policy):
         if recomputed(node):
             continue
         v = _source_value(table.nodes[node].sources[k])
         terms.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
+    if policy != "none":
+        for node, idx in recomputed_values(tg, table, policy):
+            v = _source_value((node, idx))
+            terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "recompute"))
     return terms
+
+
+def mixed_terms(
+    tg: TracedGraph,
+    table: StrategyTable,
+    policies: dict[str, str],
+    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+    regathered: frozenset[str] = frozenset(),
+) -> list[MemoryTerm]:
+    """The terms when each block follows its own policy (`policies`, label -> policy;
+    missing: "none").  A term of a block is kept when that block's policy keeps it; a term of
+    no block when any policy in use keeps it (an upper bound where they differ)."""
+    blocks = {block_label(n) for n in table.nodes} - {None}
+    used = sorted({policies.get(b, "none") for b in blocks} or {"none"})
+    per = {p: memory_terms(tg, table, optim_bytes_per_elem, regathered, p) for p in used}
+    out: dict[tuple, MemoryTerm] = {}
+    for p, terms in per.items():
+        for t in terms:
+            b = t.block
+            if (
+                b is None
+                and t.kind != "recompute"
+                or b is not None
+                and policies.get(b, "none") == p
+            ):
+                out.setdefault(t.key, t)
+    return list(out.values())
 
 
 def _source_value(src) -> torch.Tensor:
@@ -190,15 +269,18 @@ def plan_memory(
     choice: dict,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
     regathered: frozenset[str] = frozenset(),
+    policies: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index)."""
+    """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index) and
+    per-block recompute `policies`."""
     out = {
         "param_bytes_per_rank": 0.0,
         "grad_bytes_per_rank": 0.0,
         "optim_bytes_per_rank": 0.0,
         "activation_bytes_per_rank": 0.0,
     }
-    for t in memory_terms(tg, table, optim_bytes_per_elem, regathered):
+    recompute: dict[str | None, float] = {}
+    for t in mixed_terms(tg, table, policies or {}, optim_bytes_per_elem, regathered):
         if t.kind == "copy":
             ns = table.nodes[t.node]
             src_node, src_idx = ns.sources[t.arg]
@@ -208,7 +290,11 @@ def plan_memory(
                 t.full_bytes * copy_fraction(t, table, emitted, required) * tg.weight(t.node)
             )
             continue
-        f = term_fraction(t, table, choice[t.node]) * tg.weight(t.node)
+        f = term_fraction(t, table, choice[t.node])
+        if t.kind == "recompute":
+            recompute[t.block] = recompute.get(t.block, 0.0) + t.full_bytes * f
+            continue
+        f *= tg.weight(t.node)
         if t.kind == "param":
             v = t.node.meta["val"]
             local = v.numel() * f
@@ -217,5 +303,6 @@ def plan_memory(
             out["optim_bytes_per_rank"] += local * optim_bytes_per_elem
         else:
             out["activation_bytes_per_rank"] += t.full_bytes * f
+    out["recompute_bytes_per_rank"] = max(recompute.values(), default=0.0)
     out["peak_bytes_per_rank"] = sum(out.values())
     return out

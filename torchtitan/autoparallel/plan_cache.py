@@ -51,6 +51,8 @@ def plan_key(autop: Any) -> str:
             "constraints": constraints,
             "precision": [str(autop.param_dtype), str(autop.reduce_dtype)],
             "cost_model": repr(autop.cost_model),
+            "recompute": autop.recompute,
+            "reshard_after_forward": str(autop.reshard_after_forward),
             "torch": torch.__version__,
         },
         sort_keys=True,

@@ -83,11 +83,14 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
             # overlap_efficiency x compute; activation communication is exposed
             "overlappable_comm_us": sol.overlappable_comm_us,
             "exposed_comm_us": sol.exposed_comm_us,
-            "step_us": sol.compute_us + sol.exposed_comm_us,
+            "recompute_us": sol.recompute_us,
+            "step_us": sol.compute_us + sol.recompute_us + sol.exposed_comm_us,
             "fwd_comm_us": fwd_comm,
             "bwd_comm_us": bwd_comm,
             "param_fraction": (local / total) if total else 1.0,
-            **plan_memory(tg, table, sol.choice, regathered=autop.solver.regathered),
+            **plan_memory(
+                tg, table, sol.choice, regathered=autop.solver.regathered, policies=sol.recompute
+            ),
         },
         solver={
             "status": sol.status,
@@ -100,6 +103,7 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
         timings=dict(autop.timings),
         graph_fingerprint=graph_fingerprint(tg.gm),
         blocks=[b.to_json() for b in autop.blocks] if tg.shallow else [],
+        recompute=dict(sol.recompute),
     )
 
 

@@ -39,6 +39,7 @@ from . import placements as P
 from .cost import INF, Estimator
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
 from .memory import chain_up, copy_fraction, memory_terms, param_chains, term_fraction
+from .recompute_program import RecomputeChoices
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
@@ -106,6 +107,8 @@ class Solution:
     overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
     exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
     hubs: dict = field(default_factory=dict)  # (producer, output idx) -> placement (_hub)
+    recompute: dict[str, str] = field(default_factory=dict)  # block label -> policy
+    recompute_us: float = 0.0  # recomputed compute and communication in the backward
     build_s: float = 0.0  # building the program
     solve_s: float = 0.0  # HiGHS
 
@@ -124,6 +127,9 @@ class _Model:
         self.value: list[float] = []
         self.groups: list[list[int]] = []  # one-hot groups of binary columns
         self.free_groups: set[int] = set()  # group indices never fixed from the relaxation
+        # continuous columns that may take values other than 0 and 1 in a plan (sums of
+        # costs or bytes): reduced-cost fixing's argument does not hold for them
+        self.unfixable: set[int] = set()
 
     def var(self, cost: float, lb=0.0, ub=1.0) -> int:
         """A column; it is binary if it belongs to a one-hot group (`onehot`), else continuous."""
@@ -243,7 +249,7 @@ class _Model:
         # a heuristic program: the columns that matter near the bound (a guess,
         # HEURISTIC_SLACK) first, the decided groups alone if that holds no plan
         for slack in (HEURISTIC_SLACK * abs(bound), math.inf):
-            heuristic = _reduced_cost_fixing(x, reduced_cost, lower, near, slack)
+            heuristic = self._unfix(_reduced_cost_fixing(x, reduced_cost, lower, near, slack))
             status, start, obj, _how, _gap = self._branch_and_bound(
                 heuristic, None, verbose, rel_gap, t_end
             )
@@ -260,7 +266,7 @@ class _Model:
         if start is not None and (obj - bound) <= rel_gap * abs(obj):
             return Status.kOptimal, start, obj, "LP + fixing", (obj - bound) / max(abs(obj), 1e-9)
         if start is not None:
-            upper = _reduced_cost_fixing(x, reduced_cost, lower, upper, obj - bound)
+            upper = self._unfix(_reduced_cost_fixing(x, reduced_cost, lower, upper, obj - bound))
             log.info(
                 "reduced-cost fixing: %d of %d columns can be 1 in a plan cheaper than %.3f",
                 int(np.sum(upper > 0)),
@@ -273,6 +279,11 @@ class _Model:
         if start is not None and values is not None and int(np.sum(upper > 0)) < len(upper):
             how = "reduced-cost fixing + branch and bound"
         return status, values, obj2, how, gap
+
+    def _unfix(self, upper: np.ndarray) -> np.ndarray:
+        cols = list(self.unfixable)
+        upper[cols] = np.asarray(self.ub, dtype=float)[cols]
+        return upper
 
     def _branch_and_bound(self, upper, start, verbose: bool, rel_gap: float, t_end: float):
         """The 0/1 program with column upper bounds `upper` (columns at 0 are left out),
@@ -372,7 +383,9 @@ class PlacementSolver:
     """Builds and solves the 0/1 program for one traced graph, strategy table and cost model.
 
     `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
-    casts); `regathered`: parameters the executor gathers again in the backward (memory.py).
+    casts); `regathered`: parameters the executor gathers again in the backward (memory.py);
+    `recompute`: the activation recompute policies each repeated block may follow
+    (recompute_program.py; one: pinned).
     """
 
     def __init__(
@@ -382,8 +395,10 @@ class PlacementSolver:
         est: Estimator,
         no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
         regathered: frozenset[str] = frozenset(),
+        recompute: tuple[str, ...] = ("none",),
     ):
         self.tg = tg
+        self.recompute = tuple(recompute)
         self.table = table
         self.est = est
         self.mesh_shape = table.mesh_shape
@@ -478,15 +493,40 @@ class PlacementSolver:
             if self._solve_once(trial, time_limit, False, rep) is None:
                 active = trial
         names = "; ".join(c.name for c in active)
+        budgets = [c for c in active if isinstance(c, MemoryBudget)]
+        if budgets:
+            others = [c for c in constraints if not isinstance(c, MemoryBudget)]
+            need = self.minimum_memory(others, time_limit, rep)
+            if need is not None:
+                names += (
+                    f" (the least memory any plan needs under the other constraints is "
+                    f"{need / 2**30:.4g} GiB per rank)"
+                )
         raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
 
-    def _solve_once(self, constraints, time_limit, verbose, rep) -> Solution | None:
-        t0 = time.perf_counter()
+    def minimum_memory(self, constraints, time_limit: float, rep) -> float | None:
+        """The smallest predicted bytes per rank of any plan under `constraints` (no memory
+        budget among them): the same program with the memory row as its objective."""
+        program = self._build(constraints, rep)
+        gib = MemoryBudget("", 2.0**30)
+        terms = program.memory_row(gib)
+        m = program.m
+        m.cost = [0.0] * len(m.cost)
+        for col, v in terms:
+            m.cost[col] += v
+        status, values, obj, _how, _gap = m.solve(time_limit, False)
+        if values is None:
+            return None
+        return float(obj) * 2.0**30
+
+    def _build(self, constraints, rep) -> "_Program":
         program = _Program(self, rep)
         program.add_placement_choices()
+        program.recompute.add_choices()
         program.add_edges()
         program.add_output_sinks()
         program.add_gradient_sinks()
+        program.recompute.add_costs()
         for c in constraints:
             if isinstance(c, (Pin, OutputPin)):
                 program.add_pin(c)
@@ -494,6 +534,11 @@ class PlacementSolver:
                 program.add_parameter_budget(c)
             else:
                 program.add_memory_budget(c)
+        return program
+
+    def _solve_once(self, constraints, time_limit, verbose, rep) -> Solution | None:
+        t0 = time.perf_counter()
+        program = self._build(constraints, rep)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         status, values, obj, how, gap = program.m.solve(time_limit, verbose)
@@ -557,6 +602,7 @@ class _Program:
         self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
         self.sink_vars: dict[int, dict[P.Placements, int]] = {}
         self.grad_vars: dict[str, dict[P.Placements, int]] = {}
+        self.recompute = RecomputeChoices(self, solver.recompute)
 
     def member_weight(self, key: EdgeKey) -> int:
         if isinstance(key, GradEdge):
@@ -744,13 +790,21 @@ class _Program:
         )
 
     def add_memory_budget(self, c: MemoryBudget) -> None:
+        """The budget row: predicted bytes per rank / budget <= 1 (`memory_row`)."""
+        self.m.row(self.memory_row(c), -highspy.kHighsInf, 1.0)
+
+    def memory_row(self, c: MemoryBudget) -> list[tuple[int, float]]:
         """sum over memory terms (memory.py: params, grads, optimizer state, saved
         activations) of bytes * fraction(chosen strategy or redistribution) <= budget,
         divided by the budget so the coefficients are O(1).  A copy held on an edge counts
         only if that edge redistributes (through a hub on both steps: an upper bound)."""
         table, weight = self.table, self.weight
         terms = []
-        for t in memory_terms(self.tg, table, regathered=self.solver.regathered):
+        if self.recompute.active:
+            shared, terms = self.recompute.memory_terms(c.bytes_per_rank)
+        else:
+            shared = memory_terms(self.tg, table, regathered=self.solver.regathered)
+        for t in shared:
             if t.kind == "copy":
                 src = table.nodes[t.node].sources[t.arg]
                 on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
@@ -764,7 +818,7 @@ class _Program:
             for s in range(len(xs)):
                 frac = term_fraction(t, table, s)
                 terms.append((xs[s], t.full_bytes * weight(t.node) * frac / c.bytes_per_rank))
-        self.m.row(terms, -highspy.kHighsInf, 1.0)
+        return terms
 
     # ---------------------------------------------------------------- reading the answer
     def solution(self, values, status, obj, how, gap) -> Solution:
@@ -788,6 +842,7 @@ class _Program:
                 if v in self.overlapped:
                     overlapped += c * count
         exposed = (comm - overlapped) + (1.0 - self.eta) * overlapped
+        policies = self.recompute.chosen(values)
         hubs = {
             (n, src[1]): chosen(w)
             for src, w in self.hub_vars.items()
@@ -809,6 +864,8 @@ class _Program:
             overlappable_comm_us=overlapped,
             exposed_comm_us=exposed,
             hubs=hubs,
+            recompute=policies,
+            recompute_us=self.recompute.recompute_us(values, choice, policies),
         )
 
 
