@@ -30,7 +30,6 @@ from . import placements as P
 from . import repeat
 from .apply import GraphRunner, build_parallel_module
 from .buckets import fsdp_units, regathered_params
-from .recompute import POLICIES, check_policy
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
@@ -38,6 +37,7 @@ from .expand import expand_plan
 from .plan import Plan
 from .plan_cache import cached_or_solved
 from .precision import cast_edges
+from .recompute import check_policy
 from .report import solution_to_plan
 from .solver import (
     MemoryBudget,
@@ -120,9 +120,10 @@ class AutoParallel:
     (buckets.py).
 
     `recompute`: what each repeated block recomputes in the backward instead of keeping it
-    (recompute.py): "none", "selective" or "full" for every block, or "auto" to let the solver
-    choose per block under the memory budget (`add_memory_constraint`), pricing the
-    recomputation's time against the sharding choices.
+    (recompute.py): "none", "selective" or "full" for every block; a dict from block label
+    (`"layers#3"`: container FQN, '#', position) to policy, "none" for blocks it leaves out;
+    or "auto" to let the solver choose per block under the memory budget
+    (`add_memory_constraint`), pricing the recomputation's time against the sharding choices.
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class AutoParallel:
         executor: str = "lowered",
         reshard_after_forward: bool | str = True,
         bucket: bool = True,
-        recompute: str = "none",
+        recompute: str | dict[str, str] = "none",
     ):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -157,7 +158,9 @@ class AutoParallel:
         self.backward = backward
         self.executor = executor
         self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
-        if recompute != "auto":
+        if isinstance(recompute, dict):
+            recompute = {str(b): check_policy(p) for b, p in recompute.items()}
+        elif recompute != "auto":
             check_policy(recompute)
         self.recompute = recompute
         self.timings: dict[str, float] = {}
@@ -258,7 +261,7 @@ class AutoParallel:
             regathered=regathered_params(
                 self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
             ),
-            recompute=self._recompute_options(),
+            recompute=self._recompute_setting(),
         )
         t = time.perf_counter()
         removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
@@ -266,18 +269,49 @@ class AutoParallel:
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
 
-    def _recompute_options(self) -> tuple[str, ...]:
-        if self.recompute == "none":
-            return ("none",)
+    def _recompute_setting(self) -> str | dict[str, dict[str, int]]:
+        """The solver's recompute setting (recompute_program.py) for this model's trace."""
+        if self.recompute in ("none", "auto") and not self.blocks:
+            return "none"
         if not self.blocks:
-            if self.recompute == "auto":
-                return ("none",)
             raise PlannerError(
                 f"recompute={self.recompute!r} recomputes repeated blocks, and the model has "
                 f"no stack of {repeat.MIN_BLOCKS} or more identical blocks (or "
                 "share_repeated=False); use recompute='none'"
             )
-        return POLICIES if self.recompute == "auto" else (self.recompute,)
+        if isinstance(self.recompute, str):
+            return self.recompute
+        known = {lab for lab, _cls in self._block_classes()}
+        unknown = sorted(set(self.recompute) - known)
+        if unknown:
+            raise PlannerError(
+                f"recompute names block {unknown[0]!r}, which the model does not have; its "
+                f"blocks are {sorted(known)[0]} ... {sorted(known)[-1]}"
+            )
+        counts: dict[str, dict[str, int]] = {}
+        for lab, cls in self._block_classes():
+            p = self.recompute.get(lab, "none")
+            counts.setdefault(cls, {}).setdefault(p, 0)
+            counts[cls][p] += 1
+        return counts
+
+    def _block_classes(self) -> list[tuple[str, str]]:
+        """(label of each block of the whole model, label of the traced block for it)."""
+        out = []
+        for b in self.blocks:
+            for i in range(len(b.keys)):
+                j = b.representative(i) if self.tg.shallow else i
+                out.append((f"{b.container}#{i}", f"{b.container}#{j}"))
+        return out
+
+    def recompute_policies(self, counts: dict[str, dict[str, int]]) -> dict[str, str]:
+        """Each block's policy in the whole model, for the solver's per traced block
+        `counts` (a pinned dict is returned as given)."""
+        if not counts:
+            return {}
+        if isinstance(self.recompute, dict):
+            return {lab: self.recompute.get(lab, "none") for lab, _cls in self._block_classes()}
+        return {lab: next(iter(counts[cls])) for lab, cls in self._block_classes()}
 
     def _cluster(self) -> None:
         """Group identical nodes (cluster.py), keeping pinned nodes apart; redone when the pins

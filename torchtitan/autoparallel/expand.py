@@ -14,7 +14,6 @@ import torch.fx as fx
 from .errors import PlannerError
 from .graph_nodes import is_placed
 from .plan import Plan, graph_fingerprint
-from .recompute import expand_policies
 from .repeat import RepeatedBlocks
 
 
@@ -27,7 +26,6 @@ def expand_plan(plan: Plan, full_tg) -> Plan:
         nodes=nodes,
         blocks=[],
         graph_fingerprint=graph_fingerprint(full_tg.gm),
-        recompute=expand_policies(plan.recompute, blocks),
     )
 
 

@@ -214,28 +214,34 @@ def memory_terms(
 def mixed_terms(
     tg: TracedGraph,
     table: StrategyTable,
-    policies: dict[str, str],
+    counts: dict[str, dict[str, int]],
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
     regathered: frozenset[str] = frozenset(),
-) -> list[MemoryTerm]:
-    """The terms when each block follows its own policy (`policies`, label -> policy;
-    missing: "none").  A term of a block is kept when that block's policy keeps it; a term of
-    no block when any policy in use keeps it (an upper bound where they differ)."""
+) -> list[tuple[MemoryTerm, str | None, int]]:
+    """(term, policy, multiplier) when the blocks a traced block stands for follow the policies
+    `counts[block] = {policy: how many blocks}` (missing: "none" for all).  A term of a block
+    counts once per block following a policy that keeps it (a "recompute" term once: one block
+    at a time; `policy` groups them); a term of no block counts when any policy in use keeps it
+    (an upper bound where they differ), with the traced multiplicity."""
     blocks = {block_label(n) for n in table.nodes} - {None}
-    used = sorted({policies.get(b, "none") for b in blocks} or {"none"})
-    per = {p: memory_terms(tg, table, optim_bytes_per_elem, regathered, p) for p in used}
-    out: dict[tuple, MemoryTerm] = {}
-    for p, terms in per.items():
-        for t in terms:
+    share = {b: counts.get(b) or {"none": block_multiplicity(tg, table, b)} for b in blocks}
+    used = sorted({p for c in share.values() for p, k in c.items() if k} or {"none"})
+    out: dict[tuple, tuple] = {}
+    for p in used:
+        for t in memory_terms(tg, table, optim_bytes_per_elem, regathered, p):
             b = t.block
-            if (
-                b is None
-                and t.kind != "recompute"
-                or b is not None
-                and policies.get(b, "none") == p
-            ):
-                out.setdefault(t.key, t)
+            if b is None:
+                if t.kind != "recompute":
+                    out.setdefault(t.key, (t, None, tg.weight(t.node)))
+            elif share[b].get(p):
+                k = 1 if t.kind == "recompute" else share[b][p]
+                out.setdefault(t.key + (p,), (t, p, k))
     return list(out.values())
+
+
+def block_multiplicity(tg: TracedGraph, table: StrategyTable, block: str) -> int:
+    """How many blocks of the whole model traced block `block` stands for."""
+    return next(tg.weight(n) for n in table.nodes if block_label(n) == block)
 
 
 def _source_value(src) -> torch.Tensor:
@@ -269,33 +275,32 @@ def plan_memory(
     choice: dict,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
     regathered: frozenset[str] = frozenset(),
-    policies: dict[str, str] | None = None,
+    counts: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, float]:
     """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index) and
-    per-block recompute `policies`."""
+    the blocks' recompute policies (`counts`, as `mixed_terms` takes them)."""
     out = {
         "param_bytes_per_rank": 0.0,
         "grad_bytes_per_rank": 0.0,
         "optim_bytes_per_rank": 0.0,
         "activation_bytes_per_rank": 0.0,
     }
-    recompute: dict[str | None, float] = {}
-    for t in mixed_terms(tg, table, policies or {}, optim_bytes_per_elem, regathered):
+    recompute: dict[tuple, float] = {}
+    for t, policy, k in mixed_terms(tg, table, counts or {}, optim_bytes_per_elem, regathered):
         if t.kind == "copy":
             ns = table.nodes[t.node]
             src_node, src_idx = ns.sources[t.arg]
             emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
             required = ns.strategies[choice[t.node]].ins[t.arg]
             out["activation_bytes_per_rank"] += (
-                t.full_bytes * copy_fraction(t, table, emitted, required) * tg.weight(t.node)
+                t.full_bytes * copy_fraction(t, table, emitted, required) * k
             )
             continue
-        f = term_fraction(t, table, choice[t.node])
+        f = term_fraction(t, table, choice[t.node]) * k
         if t.kind == "recompute":
-            recompute[t.block] = recompute.get(t.block, 0.0) + t.full_bytes * f
-            continue
-        f *= tg.weight(t.node)
-        if t.kind == "param":
+            key = (t.block, policy)
+            recompute[key] = recompute.get(key, 0.0) + t.full_bytes * f
+        elif t.kind == "param":
             v = t.node.meta["val"]
             local = v.numel() * f
             out["param_bytes_per_rank"] += local * v.element_size()

@@ -43,7 +43,7 @@ class Plan:
     graph_fingerprint: str = ""
     # planned on a shallow trace (repeat.py): the repeated stacks, and nodes carry block labels
     blocks: list[dict] = field(default_factory=list)
-    # block label -> activation recompute policy (recompute.py); absent blocks keep all
+    # block of the whole model ("layers#3") -> activation recompute policy (recompute.py)
     recompute: dict[str, str] = field(default_factory=dict)
     version: int = 1
 

@@ -131,18 +131,6 @@ def block_recompute(policies: dict[str, str] | str) -> Callable[[fx.Node, str | 
     return recompute_for
 
 
-def expand_policies(policies: dict[str, str], blocks) -> dict[str, str]:
-    """Per-block policies of a shallow plan (repeat.py) for every block of the whole model:
-    full block i takes the policy of the traced block that stands for it."""
-    out = {}
-    for b in blocks:
-        for i in range(len(b.keys)):
-            p = policies.get(f"{b.container}#{b.representative(i)}")
-            if p is not None:
-                out[f"{b.container}#{i}"] = p
-    return out
-
-
 def describe_policies(policies: dict[str, str]) -> str:
     """`layers#0-2 full, layers#3 none`: runs of consecutive blocks with one policy."""
 

@@ -27,44 +27,68 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from .memory import memory_terms, recomputed_values, term_fraction
-from .recompute import block_label, check_policy
+from .memory import block_multiplicity, memory_terms, recomputed_values, term_fraction
+from .recompute import POLICIES, block_label, check_policy
 
 
 class RecomputeChoices:
-    """The recompute family of one program (`_Program`), see module docstring."""
+    """The recompute family of one program (`_Program`), see module docstring.
 
-    def __init__(self, program, options: tuple[str, ...]):
+    `setting`: "auto" (the solver chooses per traced block), one policy for every block, or
+    the pinned policies as
+    `{block: {policy: how many of the blocks it stands for follow it}}` (a shallow trace's
+    interior block may stand for a mix, e.g. every second block recomputed)."""
+
+    def __init__(self, program, setting: str | dict[str, dict[str, int]]):
         self.p = program
-        self.options = tuple(check_policy(o) for o in options)
         tg, table = program.tg, program.table
         self.blocks = sorted({block_label(n) for n in table.nodes} - {None})
-        self.active = bool(self.blocks) and self.options != ("none",)
+        self.multiplicity = {b: block_multiplicity(tg, table, b) for b in self.blocks}
+        self.auto = setting == "auto"
+        if self.auto:
+            self.options = POLICIES
+            self.pins: dict[str, dict[str, int]] = {}
+        else:
+            if isinstance(setting, str):  # one policy for every block
+                setting = {b: {setting: k} for b, k in self.multiplicity.items()}
+            self.pins = {
+                b: {
+                    check_policy(p): k
+                    for p, k in setting.get(b, {"none": self.multiplicity[b]}).items()
+                    if k
+                }
+                for b in self.blocks
+            }
+            self.options = tuple(p for p in POLICIES if any(p in c for c in self.pins.values()))
+        self.active = bool(self.blocks) and self.options not in ((), ("none",))
         self.z: dict[str, dict[str, int]] = {}
         self._u: dict[tuple[str, fx.Node], dict[tuple[int, str], int]] = {}
         self.recomputed = {
             p: recomputed_values(tg, table, p) if p != "none" else [] for p in self.options
         }
-        self.comm_vars: list[tuple[str, str, int]] = []  # (block, policy, v)
 
-    @property
-    def pinned(self) -> str | None:
-        return self.options[0] if len(self.options) == 1 else None
+    def count(self, block: str, policy: str) -> int:
+        """How many full blocks `block` stands for follow `policy` (auto: all of them, the
+        product column says whether they do)."""
+        if self.auto:
+            return self.multiplicity[block]
+        return self.pins[block].get(policy, 0)
 
     # ------------------------------------------------------------------ variables
     def add_choices(self) -> None:
+        if not (self.active and self.auto):
+            return
         m = self.p.m
-        if len(self.options) > 1:
-            for b in self.blocks:
-                self.z[b] = {p: m.var(0.0) for p in self.options}
-                m.onehot(list(self.z[b].values()))
-                m.free_groups.add(len(m.groups) - 1)
+        for b in self.blocks:
+            self.z[b] = {p: m.var(0.0) for p in self.options}
+            m.onehot(list(self.z[b].values()))
+            m.free_groups.add(len(m.groups) - 1)
 
     def column(self, block: str, node: fx.Node, s: int, policy: str) -> int:
         """The column that is 1 when `node` (of `block`) takes strategy s and `block` follows
-        `policy`: x itself under a pinned policy, else a product column (made on first use)."""
+        `policy`: x itself when pinned, else a product column (made on first use)."""
         rep = self.p.rep[node]
-        if self.pinned is not None:
+        if not self.auto:
             return self.p.xvars[rep][s]
         key = (block, rep)
         grid = self._u.get(key)
@@ -84,37 +108,31 @@ class RecomputeChoices:
         if not self.active:
             return
         prog, m = self.p, self.p.m
-        cost_of = {}
-        for members, y, c in prog.edge_vars:
-            cost_of[y] = (c * ((1.0 - prog.eta) if y in prog.overlapped else 1.0), members)
+        scaled = {
+            y: c * ((1.0 - prog.eta) if y in prog.overlapped else 1.0)
+            for _members, y, c in prog.edge_vars
+        }
         for p in self.options:
-            seen = set()
-            for node, _idx in self.recomputed[p]:
-                if node in seen:
-                    continue
-                seen.add(node)
+            nodes = dict.fromkeys(n for n, _idx in self.recomputed[p])
+            for node in nodes:
                 b = block_label(node)
+                k = self.count(b, p)
+                if not k:
+                    continue
                 rep = prog.rep[node]
                 for s in range(len(prog.xvars[rep])):
-                    c = prog.solver.compute_cost(rep, s) * prog.weight(node)
+                    c = prog.solver.compute_cost(rep, s) * k
                     if c:
                         m.cost[self.column(b, node, s, p)] += c
-            self._add_comm(p, {n for n, _ in self.recomputed[p]}, cost_of)
+            self._add_comm(p, set(nodes), scaled)
 
-    def _add_comm(self, policy: str, recomputed: set, cost_of: dict) -> None:
-        prog, m = self.p, self.p.m
-        from .solver import ConsumerEdge
-
+    def _add_comm(self, policy: str, recomputed: set, scaled: dict) -> None:
+        m = self.p.m
         per_block: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-        for key, pairs in prog.edge_pair_vars.items():
-            if not isinstance(key, ConsumerEdge) or key.node not in recomputed:
-                continue
-            b = block_label(key.node)
-            for y, o, r in pairs:
-                if o != r:
-                    per_block[b][y] += cost_of[y][0] * prog.weight(key.node)
+        for b, y in self._recomputed_edges(recomputed):
+            per_block[b][y] += scaled[y] * self.count(b, policy)
         for b, coef in per_block.items():
-            if self.pinned is not None:
+            if not self.auto:
                 for y, c in coef.items():
                     m.cost[y] += c
                 continue
@@ -127,25 +145,38 @@ class RecomputeChoices:
                 -float("inf"),
                 big,
             )
-            self.comm_vars.append((b, policy, v))
+
+    def _recomputed_edges(self, recomputed: set):
+        """(block, y) of every redistributing pair into a recomputed node."""
+        from .solver import ConsumerEdge
+
+        for key, pairs in self.p.edge_pair_vars.items():
+            if isinstance(key, ConsumerEdge) and key.node in recomputed:
+                b = block_label(key.node)
+                for y, o, r in pairs:
+                    if o != r:
+                        yield b, y
 
     # ------------------------------------------------------------------ memory
     def memory_terms(self, scale: float) -> tuple[list, list]:
-        """(terms of no block or of edges, as `memory.memory_terms` gives them,
-        [(column, coefficient)] of the block terms and the recompute peak) for a memory row
-        divided by `scale` bytes."""
+        """(terms of no block and "copy" terms, as `memory.memory_terms` gives them, with
+        their multiplicity; [(column, coefficient)] of the block terms and the recompute
+        peak) for a memory row divided by `scale` bytes."""
         prog, m = self.p, self.p.m
         tg, table = prog.tg, prog.table
         regathered = prog.solver.regathered
         shared: dict[tuple, object] = {}
         cols: list[tuple[int, float]] = []
-        peak: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        peak: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
         for p in self.options:
             for t in memory_terms(tg, table, regathered=regathered, policy=p):
                 b = t.block
                 if t.kind in ("param", "copy") or b is None:
-                    if t.kind != "recompute":
+                    if t.kind != "recompute" and (b is None or self.count(b, p)):
                         shared.setdefault(t.key, t)
+                    continue
+                k = self.count(b, p)
+                if not k:
                     continue
                 rep = prog.rep[t.node]
                 for s in range(len(prog.xvars[rep])):
@@ -154,9 +185,9 @@ class RecomputeChoices:
                         continue
                     col = self.column(b, t.node, s, p)
                     if t.kind == "recompute":
-                        peak[b].append((col, t.full_bytes * f / scale))
+                        peak[(b, None if self.auto else p)].append((col, t.full_bytes * f / scale))
                     else:
-                        cols.append((col, t.full_bytes * f * prog.weight(t.node) / scale))
+                        cols.append((col, t.full_bytes * f * k / scale))
         if peak:
             top = sum(max((c for _col, c in terms), default=0.0) for terms in peak.values())
             T = m.var(0.0, 0.0, max(top, 1.0))
@@ -167,33 +198,34 @@ class RecomputeChoices:
         return list(shared.values()), cols
 
     # ------------------------------------------------------------------ reading the answer
-    def chosen(self, values) -> dict[str, str]:
+    def counts(self, values) -> dict[str, dict[str, int]]:
+        """{block: {policy: how many blocks it stands for follow it}} of a solved plan."""
         if not self.active:
             return {}
-        if self.pinned is not None:
-            return {b: self.pinned for b in self.blocks}
-        return {b: max(zs, key=lambda p: values[zs[p]]) for b, zs in self.z.items()}
+        if not self.auto:
+            return {b: dict(c) for b, c in self.pins.items()}
+        return {
+            b: {max(zs, key=lambda p: values[zs[p]]): self.multiplicity[b]}
+            for b, zs in self.z.items()
+        }
 
-    def recompute_us(self, values, choice: dict, policies: dict[str, str]) -> float:
+    def recompute_us(self, values, choice: dict, counts: dict[str, dict[str, int]]) -> float:
         """Predicted recompute time of a solved plan, as the objective prices it: FLOP time
         of every recomputed node plus the redistributions into them."""
-        if not policies:
-            return 0.0
-        from .solver import ConsumerEdge
-
         prog = self.p
         scaled = {
             y: c * ((1.0 - prog.eta) if y in prog.overlapped else 1.0)
             for _members, y, c in prog.edge_vars
         }
         total = 0.0
-        for p in set(policies.values()) - {"none"}:
-            nodes = {n for n, _ in self.recomputed[p] if policies.get(block_label(n)) == p}
+        for p in self.options:
+            if p == "none":
+                continue
+            nodes = dict.fromkeys(n for n, _idx in self.recomputed[p])
             for n in nodes:
-                total += prog.solver.compute_cost(prog.rep[n], choice[n]) * prog.weight(n)
-            for key, pairs in prog.edge_pair_vars.items():
-                if isinstance(key, ConsumerEdge) and key.node in nodes:
-                    for y, o, r in pairs:
-                        if o != r and values[y] > 0.5:
-                            total += scaled[y] * prog.weight(key.node)
+                k = counts.get(block_label(n), {}).get(p, 0)
+                total += prog.solver.compute_cost(prog.rep[n], choice[n]) * k
+            for b, y in self._recomputed_edges(set(nodes)):
+                if values[y] > 0.5:
+                    total += scaled[y] * counts.get(b, {}).get(p, 0)
         return total

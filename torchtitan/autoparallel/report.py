@@ -89,7 +89,7 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
             "bwd_comm_us": bwd_comm,
             "param_fraction": (local / total) if total else 1.0,
             **plan_memory(
-                tg, table, sol.choice, regathered=autop.solver.regathered, policies=sol.recompute
+                tg, table, sol.choice, regathered=autop.solver.regathered, counts=sol.recompute
             ),
         },
         solver={
@@ -103,7 +103,7 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
         timings=dict(autop.timings),
         graph_fingerprint=graph_fingerprint(tg.gm),
         blocks=[b.to_json() for b in autop.blocks] if tg.shallow else [],
-        recompute=dict(sol.recompute),
+        recompute=autop.recompute_policies(sol.recompute),
     )
 
 

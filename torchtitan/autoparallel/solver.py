@@ -107,7 +107,8 @@ class Solution:
     overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
     exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
     hubs: dict = field(default_factory=dict)  # (producer, output idx) -> placement (_hub)
-    recompute: dict[str, str] = field(default_factory=dict)  # block label -> policy
+    # traced block label -> {policy: how many of the blocks it stands for follow it}
+    recompute: dict[str, dict[str, int]] = field(default_factory=dict)
     recompute_us: float = 0.0  # recomputed compute and communication in the backward
     build_s: float = 0.0  # building the program
     solve_s: float = 0.0  # HiGHS
@@ -384,8 +385,8 @@ class PlacementSolver:
 
     `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
     casts); `regathered`: parameters the executor gathers again in the backward (memory.py);
-    `recompute`: the activation recompute policies each repeated block may follow
-    (recompute_program.py; one: pinned).
+    `recompute`: "auto" (the solver chooses each repeated block's activation recompute
+    policy), one policy for all, or pinned per traced block (recompute_program.py).
     """
 
     def __init__(
@@ -395,10 +396,10 @@ class PlacementSolver:
         est: Estimator,
         no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
         regathered: frozenset[str] = frozenset(),
-        recompute: tuple[str, ...] = ("none",),
+        recompute: str | dict[str, dict[str, int]] = "none",
     ):
         self.tg = tg
-        self.recompute = tuple(recompute)
+        self.recompute = recompute
         self.table = table
         self.est = est
         self.mesh_shape = table.mesh_shape
@@ -842,7 +843,7 @@ class _Program:
                 if v in self.overlapped:
                     overlapped += c * count
         exposed = (comm - overlapped) + (1.0 - self.eta) * overlapped
-        policies = self.recompute.chosen(values)
+        counts = self.recompute.counts(values)
         hubs = {
             (n, src[1]): chosen(w)
             for src, w in self.hub_vars.items()
@@ -864,8 +865,8 @@ class _Program:
             overlappable_comm_us=overlapped,
             exposed_comm_us=exposed,
             hubs=hubs,
-            recompute=policies,
-            recompute_us=self.recompute.recompute_us(values, choice, policies),
+            recompute=counts,
+            recompute_us=self.recompute.recompute_us(values, choice, counts),
         )
 
 
