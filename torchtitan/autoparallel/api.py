@@ -162,7 +162,7 @@ class AutoParallel:
             recompute = {str(b): check_policy(p) for b, p in recompute.items()}
         elif recompute != "auto":
             check_policy(recompute)
-        self.recompute = recompute
+        self.recompute = recompute  # checked against the model's blocks once traced
         self.timings: dict[str, float] = {}
         self._constraints: list[UserConstraint] = []
         self._inputs_set = self._outputs_set = False
@@ -268,6 +268,19 @@ class AutoParallel:
         self._cluster()
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
+
+    def set_recompute(self, recompute: str | dict[str, str]) -> None:
+        """Change the `recompute` setting (see the class docstring) before solving; a dict
+        may name blocks of `self.blocks` once entered."""
+        self._require_entered()
+        if isinstance(recompute, dict):
+            recompute = {str(b): check_policy(p) for b, p in recompute.items()}
+        elif recompute != "auto":
+            check_policy(recompute)
+        self.recompute = recompute
+        setting = self._recompute_setting()  # raises for a model it cannot apply to
+        if self.table is not None:
+            self.solver.recompute = setting
 
     def _recompute_setting(self) -> str | dict[str, dict[str, int]]:
         """The solver's recompute setting (recompute_program.py) for this model's trace."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .errors import PlannerError
+from .recompute import describe_policies
 
 
 def name_pattern(fqn: str) -> str:
@@ -124,6 +125,13 @@ class Plan:
             f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
             f"{pred.get('param_fraction', 1.0):.3f} of full"
         )
+        if self.recompute:
+            lines.append(
+                f"  recompute: {describe_policies(self.recompute)} "
+                f"(+{pred.get('recompute_us', 0) / 1e3:.2f} ms)"
+            )
+        if "peak_bytes_per_rank" in pred:
+            lines.append("  " + memory_line(pred))
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -167,6 +175,22 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def memory_line(pred: dict) -> str:
+    """`predicted peak per rank 1.23 GiB = parameters ... + recompute ...` from a plan's
+    predictions (memory.py)."""
+    parts = [
+        ("parameters", "param_bytes_per_rank"),
+        ("gradients", "grad_bytes_per_rank"),
+        ("optimizer", "optim_bytes_per_rank"),
+        ("saved activations", "activation_bytes_per_rank"),
+        ("recompute", "recompute_bytes_per_rank"),
+    ]
+    gib = lambda k: pred.get(k, 0.0) / 2**30  # noqa: E731
+    return f"predicted peak per rank {gib('peak_bytes_per_rank'):.3f} GiB = " + " + ".join(
+        f"{name} {gib(key):.3f}" for name, key in parts
+    )
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

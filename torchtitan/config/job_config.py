@@ -205,8 +205,10 @@ class Checkpoint:
 class ActivationCheckpoint:
     """Recompute activations in backward to save memory."""
 
-    mode: Literal["none", "selective", "full"] = "selective"
-    """none, selective (per `selective_ac_option`) or full (every transformer block)."""
+    mode: Literal["none", "selective", "full", "auto"] = "selective"
+    """none, selective (per `selective_ac_option`) or full (every transformer block); auto
+    (the auto-parallel specs only): the planner chooses per block under the memory budget
+    (`--autoparallel.memory_budget_gib`)."""
 
     selective_ac_option: str = "2"
     """For selective mode: an integer N checkpoints every Nth block; "op" saves the outputs of

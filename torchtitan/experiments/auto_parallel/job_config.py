@@ -24,8 +24,10 @@ class AutoParallelConfig:
 
     memory_budget_gib: float | None = None
     """Bytes per rank a plan must fit, in GiB, as the planner's memory model counts them
-    (parameters, gradients, optimizer state, saved activations); none: no such bound, only
-    the FSDP-like parameter budget (1/world of the parameters per rank)."""
+    (parameters, gradients, optimizer state, saved activations, the largest block's
+    recomputation); with `--activation_checkpoint.mode auto` the planner recomputes blocks
+    to fit it.  none: no such bound (only the FSDP-like parameter budget, 1/world of the
+    parameters per rank), except with mode auto on a GPU: its memory less 10%."""
 
     solver_time_limit_seconds: float = 300.0
     """Stop the solver after this long and take the best plan found so far (the log says

@@ -107,14 +107,57 @@ def add_job_constraints(
 ) -> None:
     """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
     batch split over every data-parallel dim, logits split over tp with loss parallelism."""
-    settings = planner_settings(job_config)
+    autop.set_recompute(job_recompute(job_config, autop))
     autop.add_parameter_memory_constraint(low=None, high=None)
-    if settings.memory_budget_gib is not None:
-        autop.add_memory_constraint(settings.memory_budget_gib * 2**30)
+    budget = memory_budget_bytes(job_config)
+    if budget is not None:
+        autop.add_memory_constraint(budget)
     autop.add_input_constraints([_batch_placements(names, Replicate())])
     autop.add_output_constraints(
         [_batch_placements(names, Shard(2) if loss_parallel else Replicate())]
     )
+
+
+def job_recompute(job_config: Any, autop: AutoParallel) -> str | dict[str, str]:
+    """`[activation_checkpoint]` as the planner's recompute setting: none, full, auto;
+    selective with "op" keeps matmul and attention outputs and recomputes the rest of every
+    block, with an integer N it recomputes every Nth block of each repeated stack fully (as
+    the hand-written path does)."""
+    ac = job_config.activation_checkpoint
+    if ac.mode != "selective":
+        return ac.mode
+    option = ac.selective_ac_option
+    if option == "op":
+        return "selective"
+    if not (option.isdigit() and int(option) >= 1):
+        raise UserInputError(
+            f"--activation_checkpoint.selective_ac_option {option!r}: use 'op' or a positive "
+            "integer N (checkpoint every Nth block)"
+        )
+    every = int(option)
+    return {
+        f"{b.container}#{i}": "full"
+        for b in autop.blocks
+        for i in range(len(b.keys))
+        if i % every == 0
+    }
+
+
+# What the memory model leaves out (allocator fragmentation, temporaries inside an op,
+# communication buffers) is kept free on a GPU when no budget is set.
+GPU_MEMORY_MARGIN = 0.1
+
+
+def memory_budget_bytes(job_config: Any) -> float | None:
+    """`--autoparallel.memory_budget_gib`; unset: with `--activation_checkpoint.mode auto` on
+    a GPU its memory less `GPU_MEMORY_MARGIN`, else no budget."""
+    gib = planner_settings(job_config).memory_budget_gib
+    if gib is not None:
+        return gib * 2**30
+    if job_config.activation_checkpoint.mode == "auto" and device_type() == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return total * (1.0 - GPU_MEMORY_MARGIN)
+    return None
 
 
 def plan_cache_folder(job_config: Any) -> Path | None:

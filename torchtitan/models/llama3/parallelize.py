@@ -54,6 +54,12 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     training = job_config.training
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"], parallel_dims.loss_parallel_enabled)
+    if job_config.activation_checkpoint.mode == "auto":
+        raise UserInputError(
+            "--activation_checkpoint.mode auto: only the auto-parallel models "
+            "(llama3_auto_parallel, hf_auto_parallel) choose what to recompute; use none, "
+            "selective or full"
+        )
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
