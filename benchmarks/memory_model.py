@@ -91,6 +91,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak_by_kind: dict[str, int] = {}
         self.peak_where = ""
         self.snapshots: dict[str, dict[str, int]] = {}
+        self.op = "add"  # the op whose output is being registered
+        self.peak_ops: list = []  # with MEMORY_MODEL_PEAK_OPS=1: top (kind:op, bytes) at the peak
 
     def add(self, t: Any, kind: str | None = None, where: str = "add") -> None:
         for x in pytree.tree_leaves(t):
@@ -104,7 +106,7 @@ class LiveTensorBytes(TorchDispatchMode):
         entry = self.live.get(key)
         nbytes = st.nbytes()
         if entry is None:
-            entry = [0, kind]
+            entry = [0, kind, self.op]
             self.live[key] = entry
             weakref.finalize(st, self._freed, key, entry)
         if nbytes != entry[0]:  # new, or resized since last seen
@@ -123,6 +125,11 @@ class LiveTensorBytes(TorchDispatchMode):
             self.peak = self.total
             self.peak_by_kind = {k: v for k, v in self.by_kind.items() if v}
             self.peak_where = f"{self.kind}: {where}"
+            if os.environ.get("MEMORY_MODEL_PEAK_OPS"):
+                ops: dict = defaultdict(int)
+                for nbytes, kind, op in self.live.values():
+                    ops[f"{kind}:{op}"] += nbytes
+                self.peak_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
 
     def snapshot(self, label: str) -> None:
         self.snapshots[label] = {**self.by_kind, "total": self.total}
@@ -132,7 +139,9 @@ class LiveTensorBytes(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is None:
+            self.op = str(func)
             self.add(out, where=str(func))
+            self.op = "add"
         return out
 
 
@@ -272,15 +281,17 @@ def run_config(
         "plan_s": plan_s,
         "losses": losses,
         "predicted": {k: v for k, v in plan.predicted.items() if k.endswith("bytes_per_rank")},
+        "peak_where": plan.predicted.get("peak_where"),
         "params": dict(plan.params),
         "measured": {
             "param_bytes": local_bytes(params),
             "grad_bytes": grad_bytes,
             "optim_bytes": local_bytes(v for v in optim_state() if v.dim() > 0),  # not `step`
-            "activation_bytes": fb["total"] - sum(fb.get(k, 0) for k in STATIC_KINDS),
+            "saved_at_boundary_bytes": fb["total"] - sum(fb.get(k, 0) for k in STATIC_KINDS),
             "peak_bytes": rec.peak,
             "peak_by_kind": rec.peak_by_kind,
             "peak_where": rec.peak_where,
+            "peak_ops": rec.peak_ops,
             "snapshots": rec.snapshots,
             "left_after_step": rec.snapshots["end"]["total"] - rec.snapshots["start"]["total"],
             "untracked_at_start": untracked,
@@ -460,12 +471,13 @@ def format_result(res: dict) -> str:
         ("parameters", "param"),
         ("gradients", "grad"),
         ("AdamW state", "optim"),
-        ("saved activations (fwd/bwd boundary)", "activation"),
-        ("one block's recomputation", "recompute"),
+        ("saved activations at the fwd/bwd boundary", "saved_at_boundary"),
+        ("at the predicted peak: saved activations", "activation"),
+        ("at the predicted peak: backward working set", "transient"),
         ("**peak**", "peak"),
     ):
         p = pred.get(f"{key}_bytes_per_rank", 0.0)
-        if key == "recompute":  # not measured apart: it is inside the backward's peak
+        if key in ("activation", "transient"):  # the parts of the predicted peak
             lines.append(f"| {label} | {p / MiB:.2f} | - | - |")
             continue
         m = max(r["measured"][f"{key}_bytes"] for r in ranks)
@@ -481,7 +493,8 @@ def format_result(res: dict) -> str:
         "",
         "plan (parameter placements): "
         + "; ".join(f"{pl}: {', '.join(sorted(g))}" for pl, g in sorted(groups.items())),
-        f"peak on rank {peak['rank']} at [{pm['peak_where']}], live by kind (MiB): "
+        f"predicted peak: {ranks[0].get('peak_where')}; "
+        f"measured peak on rank {peak['rank']} at [{pm['peak_where']}], live by kind (MiB): "
         + ", ".join(f"{k} {v / MiB:.2f}" for k, v in pm["peak_by_kind"].items()),
         f"tool checks (bytes, max over ranks): alive after the step beyond its start "
         f"{max(x['measured']['left_after_step'] for x in ranks)}; tensors alive at the start "

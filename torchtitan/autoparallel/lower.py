@@ -154,19 +154,27 @@ def partition(
     outs = list(out_node.args[0])
     fwd_outs, grad_outs = outs[: joint.n_outputs], outs[joint.n_outputs :]
 
-    backward: set[fx.Node] = set()  # everything that depends on a tangent
-    for n in graph.nodes:
-        if kind.get(n) == TANGENT or (
-            n.op == "call_function" and any(a in backward for a in n.all_input_nodes)
-        ):
-            backward.add(n)
+    # the forward computes what the outputs need; everything else runs in the backward, also
+    # what needs no tangent (a norm's 2 * x): made there from saved inputs, not saved itself
+    forward: set[fx.Node] = set()
+    stack = [o for o in fwd_outs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in forward:
+            forward.add(n)
+            stack.extend(n.all_input_nodes)
+    backward = {
+        n
+        for n in graph.nodes
+        if kind.get(n) == TANGENT or (n.op == "call_function" and n not in forward)
+    }
     params = {p for p in phs if kind[p] in (PARAM, BUFFER)}
     regather: set[fx.Node] = set()
     if keep is not None:
         regather = param_side(graph.nodes, {p for p in params if name[p] not in keep})
     in_block = block_recompute(policies or {})
 
-    # forward values the backward reads (gradients that need no tangent count as read)
+    # forward values the backward reads (a gradient that is a forward value counts as read)
     needed = [
         (a, block_label(n))
         for n in graph.nodes
@@ -181,7 +189,7 @@ def partition(
 
     fwd = _subgraph(joint.gm, [p for p in phs if kind[p] != TANGENT], fwd_outs + saved)
     tangents = [p for p in phs if kind[p] == TANGENT]
-    body = _backward_body(graph, backward, set(recomputed), regather, order)
+    body = _backward_body(graph, backward, tangents, set(recomputed), regather, order)
     bwd = _subgraph(joint.gm, saved + tangents, grad_outs, body)
     return Partition(
         fwd,
@@ -194,28 +202,32 @@ def partition(
 
 
 def _backward_body(
-    graph: fx.Graph, backward: set, recomputed: set, regather: set, order: dict
+    graph: fx.Graph, backward: set, tangents: list, recomputed: set, regather: set, order: dict
 ) -> list[fx.Node]:
     """The backward graph's nodes in execution order: re-gathered parameters first (the
-    bucketing pass schedules them), then the backward ops, each preceded by the recomputed
-    values it is the first to need (so a block's activations are made again only when the
-    backward reaches that block)."""
+    bucketing pass schedules them), then the ops that read a tangent, each preceded by what
+    it is the first to need of the rest: values recomputed for it and backward ops that need
+    no tangent.  So a block's activations are made again only when the backward reaches it."""
     body = [n for n in graph.nodes if n in recomputed and n in regather]
-    block_rc = recomputed - regather
-    done: set[fx.Node] = set()
+    lazy = (recomputed - regather) | backward
+    on_tangent = set(tangents)
     for n in graph.nodes:
-        if n not in backward:
+        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
+            on_tangent.add(n)
+    done: set[fx.Node] = set(body)
+    for n in graph.nodes:
+        if n not in on_tangent or n.op == "placeholder":
             continue
-        pending, stack = [], [a for a in n.all_input_nodes if a in block_rc]
+        pending, stack = [], [n]
         while stack:
             a = stack.pop()
             if a in done:
                 continue
             done.add(a)
             pending.append(a)
-            stack.extend(b for b in a.all_input_nodes if b in block_rc)
+            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
         body += sorted(pending, key=order.__getitem__)
-        body.append(n)
+    body += [n for n in graph.nodes if n in lazy and n not in done and n.op != "placeholder"]
     return body
 
 

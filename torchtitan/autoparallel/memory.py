@@ -1,51 +1,55 @@
-"""Per-rank memory model: parameters, gradients, optimizer state, saved activations and the
-activations a block recomputes.
+"""Per-rank memory model: parameters, gradients, optimizer state and activations, at the
+moments of the step where memory peaks.
 
-Bytes per rank of a plan = sum over parameters of local bytes x (1 parameter + 1 gradient)
-+ local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes) + sum over saved
-activations of their local bytes + the largest block's recomputed activations.
+Static bytes per rank = sum over parameters of local bytes x (1 parameter + 1 gradient) +
+local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes).  They are alive all
+step long.  Activations come and go; liveness.py replays the executor's order (forward, then
+the backward with each block's recomputation just before its first use, every value freed
+after its last use) and names the candidate peaks: the forward/backward boundary, where every
+saved value, the outputs and their gradients are alive, and the busiest moment of each block's
+backward (and of the rest of the backward: head, loss), where the values saved by the blocks
+not yet reached are alive together with that block's gradients and recomputed values.
 
-*Saved activations* are read off the joint graph under each block's recompute policy
-(recompute.py): the forward values the backward reads, or, for a block that recomputes,
-what its recomputation reads from outside the block; plus the forward outputs (the caller
-holds them until its loss is done).  A saved view counts as its base, counted once.  When the
-plan redistributes a tensor on its way into a saved view (the transpose of an all-gathered
-weight, read by the backward for the input gradient), the view keeps that new copy alive: a
-"copy" term, counted on the edge, in the placement the view receives.  Parameters the
-executor re-gathers in the backward (`regathered`, its reshard-after-forward policy) keep
-nothing of their chain alive: values computed on a parameter's single-input chain (its cast,
-transpose, gathered copy) are recomputed, so they count for no saved bytes.
+Each candidate is one *row*: static + saved values alive then + transient values (gradients,
+recomputed values) alive then, each at its local size under the chosen strategy, so linear in
+the plan.  The predicted peak is the largest row; a memory budget bounds every row.  A saved
+value counts as its base (views share storage).  When the plan redistributes a tensor on its
+way into a saved view (the transpose of an all-gathered weight), the view keeps that copy
+alive: a "copy" term on the edge, in the placement the view receives.  Parameters the executor
+re-gathers in the backward (`regathered`, its reshard-after-forward policy) are recomputed
+there: their chain (cast, transpose, gathered copy) is transient, alive around its use.
 
-*Where the peak is.*  Without recomputation every saved value is alive at the
-forward/backward boundary, and the step peaks there.  With it, block k's backward first makes
-its recomputed values again ("recompute" terms: every non-view value the policy recomputes,
-each at its local size) while the values saved by blocks before k are still alive.  So the
-peak is at most  static + sum of all saved values + max over blocks of the block's
-recomputed bytes:  the earlier blocks' saved values are a subset of all of them, and the
-boundary (no recomputed value alive yet) is covered too.  It is attained by the last block
-that recomputes when the blocks are alike.  Recomputed values all alive at once is an upper
-bound too: the eager backward frees each after its last use.  Not counted: temporaries inside
-one op, activation gradients of the backward, and communication buffers.
+*Policies.*  Under per-block recompute policies (recompute.py) each block's saved values are
+those of its own policy, and a block's backward row carries its transient values for the
+policy it follows.  In a shallow trace (repeat.py) a traced block stands for several: its
+saved values count once per block it stands for that follows the policy (`counts`), its
+transient values once (one block at a time).  Rows are found per policy with every block
+following it; values of no block (the embedding, the head) are taken from that replay.
 
-Every term is linear in the strategy choice of one node (and, for block terms, the block's
-policy), so the budget is one linear row of the 0/1 program, plus one row per block bounding
-the recompute peak.  In a shallow trace (repeat.py) a saved term counts once per block it
-stands for (`TracedGraph.weight`); a recompute term counts once (one block at a time).
+The loss is outside the model's graph: at the boundary it is taken to hold
+`LOSS_OUTPUT_COPIES` output-sized tensors (cross-entropy's log-softmax, and the softmax its
+backward makes).  Not counted: temporaries inside one op and communication buffers.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from . import placements as P
+from .liveness import BOUNDARY, snapshots
 from .recompute import block_label, block_recompute, split_saved
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
 ADAMW_BYTES_PER_ELEM = 8  # exp_avg + exp_avg_sq in fp32
+# What the caller's loss holds at the backward's start, in copies of the outputs it reads:
+# cross-entropy keeps its log-softmax and makes the softmax on its way to the logits'
+# gradient (which the boundary already counts, as the tangent).
+LOSS_OUTPUT_COPIES = 2
 
 
 @dataclass
@@ -53,7 +57,7 @@ class MemoryTerm:
     node: fx.Node  # strategy node whose choice decides the local size
     idx: int  # output index of that node
     full_bytes: float  # bytes of the global tensor, times the per-element multiplier
-    kind: str  # "param" | "activation" | "copy" | "recompute"
+    kind: str  # "param" | "activation" | "copy"
     arg: int | None = None  # "copy": the view's input (index into its sources) whose copy is held
 
     @property
@@ -64,6 +68,34 @@ class MemoryTerm:
     def block(self) -> str | None:
         """The block whose policy decides this term (None: no block's alone)."""
         return block_label(self.node)
+
+
+@dataclass(frozen=True)
+class RowEntry:
+    """One term of a memory row and how many times it counts.
+
+    `block` None: `weight` times.  Else the term belongs to `block` under `policy`: a saved
+    value counts once per block `block` stands for that follows `policy`, a transient one
+    (`saved=False`: a gradient or recomputed value) once if any of them does."""
+
+    term: MemoryTerm
+    weight: int = 1
+    block: str | None = None
+    policy: str | None = None
+    saved: bool = True
+
+    def multiplier(self, counts: dict[str, dict[str, int]]) -> int:
+        if self.block is None:
+            return self.weight
+        k = counts.get(self.block, {}).get(self.policy, 0)
+        return k if self.saved else int(k > 0)
+
+
+@dataclass
+class MemoryRow:
+    where: str | None  # liveness.BOUNDARY, a block label, None: the backward outside blocks
+    policy: str  # the policy every block followed in the replay this row comes from
+    entries: list[RowEntry]
 
 
 def _base(src):
@@ -138,21 +170,6 @@ def saved_view_inputs(
     return list(edges)
 
 
-def recomputed_values(
-    tg: TracedGraph, table: StrategyTable, policy: str
-) -> list[tuple[fx.Node, int]]:
-    """(node, output index) of every tensor the blocks make again under `policy` (views,
-    which allocate nothing, left out)."""
-    out = []
-    for node in _saved(tg, policy)[1]:
-        if node not in table.nodes or _is_view(node):
-            continue
-        v = node.meta.get("val")
-        vals = list(v) if isinstance(v, (list, tuple)) else [v]
-        out += [(node, i) for i, x in enumerate(vals) if isinstance(x, torch.Tensor)]
-    return out
-
-
 def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
     """Nodes on a parameter's single-input chain (the parameter, its cast, transpose, views)
     -> the parameter's FQN."""
@@ -179,64 +196,106 @@ def chain_up(table: StrategyTable, start: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def memory_terms(
-    tg: TracedGraph,
-    table: StrategyTable,
-    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
-    regathered: frozenset[str] = frozenset(),
-    policy: str = "none",
-) -> list[MemoryTerm]:
-    """Every term of the model when every block follows `policy` (module docstring)."""
+def param_terms(tg: TracedGraph, optim_bytes_per_elem: int) -> list[MemoryTerm]:
+    """Parameter + gradient + optimizer state of every parameter (static, all step long)."""
     terms = []
-    chain = param_chains(tg, table) if regathered else {}
-    recomputed = lambda n: chain.get(n) in regathered  # noqa: E731
     for pnode in tg.params.values():
         v = pnode.meta["val"]
         per_elem = 2 * v.element_size() + optim_bytes_per_elem
         terms.append(MemoryTerm(pnode, 0, float(v.numel() * per_elem), "param"))
-    for node, idx in saved_activations(tg, table, policy):
-        if recomputed(node):
-            continue
-        v = _source_value((node, idx))
-        terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation"))
-    for node, k in saved_view_inputs(tg, table, policy):
-        if recomputed(node):
-            continue
-        v = _source_value(table.nodes[node].sources[k])
-        terms.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
-    if policy != "none":
-        for node, idx in recomputed_values(tg, table, policy):
-            v = _source_value((node, idx))
-            terms.append(MemoryTerm(node, idx, float(v.numel() * v.element_size()), "recompute"))
     return terms
 
 
-def mixed_terms(
+def copy_terms(
+    tg: TracedGraph, table: StrategyTable, policy: str, regathered: frozenset[str]
+) -> list[MemoryTerm]:
+    """The redistributed copies saved views keep alive (module docstring)."""
+    chain = param_chains(tg, table) if regathered else {}
+    out = []
+    for node, k in saved_view_inputs(tg, table, policy):
+        if chain.get(node) in regathered:
+            continue
+        v = _source_value(table.nodes[node].sources[k])
+        out.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
+    return out
+
+
+def memory_rows(
     tg: TracedGraph,
     table: StrategyTable,
-    counts: dict[str, dict[str, int]],
-    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+    options: tuple[str, ...] = ("none",),
     regathered: frozenset[str] = frozenset(),
-) -> list[tuple[MemoryTerm, str | None, int]]:
-    """(term, policy, multiplier) when the blocks a traced block stands for follow the policies
-    `counts[block] = {policy: how many blocks}` (missing: "none" for all).  A term of a block
-    counts once per block following a policy that keeps it (a "recompute" term once: one block
-    at a time; `policy` groups them); a term of no block counts when any policy in use keeps it
-    (an upper bound where they differ), with the traced multiplicity."""
-    blocks = {block_label(n) for n in table.nodes} - {None}
-    share = {b: counts.get(b) or {"none": block_multiplicity(tg, table, b)} for b in blocks}
-    used = sorted({p for c in share.values() for p, k in c.items() if k} or {"none"})
-    out: dict[tuple, tuple] = {}
-    for p in used:
-        for t in memory_terms(tg, table, optim_bytes_per_elem, regathered, p):
-            b = t.block
-            if b is None:
-                if t.kind != "recompute":
-                    out.setdefault(t.key, (t, None, tg.weight(t.node)))
-            elif share[b].get(p):
-                k = 1 if t.kind == "recompute" else share[b][p]
-                out.setdefault(t.key + (p,), (t, p, k))
-    return list(out.values())
+    optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
+) -> list[MemoryRow]:
+    """The candidate peaks (module docstring) for plans whose blocks follow `options`."""
+    chain = param_chains(tg, table) if regathered else {}
+    also = lambda n: chain.get(n) in regathered  # noqa: E731
+    static = [RowEntry(t, tg.weight(t.node)) for t in param_terms(tg, optim_bytes_per_elem)]
+    sims = {p: snapshots(tg, p, also) for p in options}
+
+    def activation(node, idx) -> MemoryTerm | None:
+        if node not in table.nodes:
+            return None
+        v = _source_value((node, idx))
+        return MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation")
+
+    saved_by_block: dict[str, dict[str, list[MemoryTerm]]] = {}  # policy -> block -> terms
+    for p, snaps in sims.items():
+        per: dict[str, list[MemoryTerm]] = defaultdict(list)
+        for node, idx in snaps[0].saved:  # the boundary: everything saved
+            b, t = block_label(node), activation(node, idx)
+            if b is not None and t is not None:
+                per[b].append(t)
+        saved_by_block[p] = per
+    rows = []
+    for p, snaps in sims.items():
+        copies = copy_terms(tg, table, p, regathered)
+        for snap in snaps:
+            entries = list(static)
+            alive: set[str] = set()
+            for node, idx in snap.saved:
+                b, t = block_label(node), activation(node, idx)
+                if t is None:
+                    continue
+                if b is None:
+                    entries.append(RowEntry(t, tg.weight(node)))
+                else:
+                    alive.add(b)
+            for b in sorted(alive):
+                for q in options:
+                    entries += [RowEntry(t, block=b, policy=q) for t in saved_by_block[q][b]]
+            for node, idx in snap.transient:
+                b, t = block_label(node), activation(node, idx)
+                if t is not None:
+                    entries.append(RowEntry(t, 1, b, p if b else None, saved=False))
+            for t in copies:
+                b = t.block
+                if b is None:
+                    entries.append(RowEntry(t, tg.weight(t.node)))
+                elif b in alive:
+                    entries.append(RowEntry(t, block=b, policy=p))
+            if snap.where == BOUNDARY:
+                for out in tg.outputs:
+                    t = activation(*resolve_source(out))
+                    if t is not None:
+                        entries.append(RowEntry(t, LOSS_OUTPUT_COPIES, saved=False))
+            rows.append(MemoryRow(snap.where, p, entries))
+    return rows
+
+
+def recomputed_values(
+    tg: TracedGraph, table: StrategyTable, policy: str
+) -> list[tuple[fx.Node, int]]:
+    """(node, output index) of every tensor the blocks make again under `policy` (views,
+    which allocate nothing, left out)."""
+    out = []
+    for node in _saved(tg, policy)[1]:
+        if node not in table.nodes or _is_view(node):
+            continue
+        v = node.meta.get("val")
+        vals = list(v) if isinstance(v, (list, tuple)) else [v]
+        out += [(node, i) for i, x in enumerate(vals) if isinstance(x, torch.Tensor)]
+    return out
 
 
 def block_multiplicity(tg: TracedGraph, table: StrategyTable, block: str) -> int:
@@ -269,6 +328,17 @@ def term_fraction(term: MemoryTerm, table: StrategyTable, s: int) -> float:
     return P.shard_fraction(v.shape, pl, table.mesh_shape)
 
 
+def entry_fraction(e: RowEntry, table: StrategyTable, choice: dict) -> float:
+    """Local fraction of an entry's term under a solved choice (node -> strategy index)."""
+    t = e.term
+    if t.kind != "copy":
+        return term_fraction(t, table, choice[t.node])
+    ns = table.nodes[t.node]
+    src_node, src_idx = ns.sources[t.arg]
+    emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
+    return copy_fraction(t, table, emitted, ns.strategies[choice[t.node]].ins[t.arg])
+
+
 def plan_memory(
     tg: TracedGraph,
     table: StrategyTable,
@@ -276,38 +346,56 @@ def plan_memory(
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
     regathered: frozenset[str] = frozenset(),
     counts: dict[str, dict[str, int]] | None = None,
-) -> dict[str, float]:
-    """Predicted bytes per rank, by kind, for a solved choice (node -> strategy index) and
-    the blocks' recompute policies (`counts`, as `mixed_terms` takes them)."""
-    out = {
-        "param_bytes_per_rank": 0.0,
-        "grad_bytes_per_rank": 0.0,
-        "optim_bytes_per_rank": 0.0,
-        "activation_bytes_per_rank": 0.0,
+) -> dict:
+    """Predicted bytes per rank of a solved choice (node -> strategy index) whose blocks
+    follow `counts` ({block: {policy: how many blocks}}; missing: none): the largest row and
+    its parts, and the saved values at the boundary."""
+    blocks = sorted({block_label(n) for n in table.nodes} - {None})
+    counts = {
+        b: (counts or {}).get(b) or {"none": block_multiplicity(tg, table, b)} for b in blocks
     }
-    recompute: dict[tuple, float] = {}
-    for t, policy, k in mixed_terms(tg, table, counts or {}, optim_bytes_per_elem, regathered):
-        if t.kind == "copy":
-            ns = table.nodes[t.node]
-            src_node, src_idx = ns.sources[t.arg]
-            emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
-            required = ns.strategies[choice[t.node]].ins[t.arg]
-            out["activation_bytes_per_rank"] += (
-                t.full_bytes * copy_fraction(t, table, emitted, required) * k
-            )
-            continue
-        f = term_fraction(t, table, choice[t.node]) * k
-        if t.kind == "recompute":
-            key = (t.block, policy)
-            recompute[key] = recompute.get(key, 0.0) + t.full_bytes * f
-        elif t.kind == "param":
-            v = t.node.meta["val"]
-            local = v.numel() * f
-            out["param_bytes_per_rank"] += local * v.element_size()
-            out["grad_bytes_per_rank"] += local * v.element_size()
-            out["optim_bytes_per_rank"] += local * optim_bytes_per_elem
-        else:
-            out["activation_bytes_per_rank"] += t.full_bytes * f
-    out["recompute_bytes_per_rank"] = max(recompute.values(), default=0.0)
-    out["peak_bytes_per_rank"] = sum(out.values())
+    options = tuple(sorted({p for c in counts.values() for p in c} or {"none"}))
+    best = None
+    boundary_saved = 0.0
+    for row in memory_rows(tg, table, options, regathered, optim_bytes_per_elem):
+        parts = defaultdict(float)
+        for e in row.entries:
+            k = e.multiplier(counts)
+            if not k:
+                continue
+            t = e.term
+            b = t.full_bytes * entry_fraction(e, table, choice) * k
+            if t.kind == "param":
+                v = t.node.meta["val"]
+                local = b / (2 * v.element_size() + optim_bytes_per_elem)
+                parts["param_bytes_per_rank"] += local * v.element_size()
+                parts["grad_bytes_per_rank"] += local * v.element_size()
+                parts["optim_bytes_per_rank"] += local * optim_bytes_per_elem
+            elif e.saved:
+                parts["activation_bytes_per_rank"] += b
+            else:
+                parts["transient_bytes_per_rank"] += b
+        total = sum(parts.values())
+        if row.where == BOUNDARY:
+            boundary_saved = max(boundary_saved, parts["activation_bytes_per_rank"])
+        if best is None or total > best[0]:
+            best = (total, row, parts)
+    total, row, parts = best
+    out = {
+        k: parts.get(k, 0.0)
+        for k in (
+            "param_bytes_per_rank",
+            "grad_bytes_per_rank",
+            "optim_bytes_per_rank",
+            "activation_bytes_per_rank",
+            "transient_bytes_per_rank",
+        )
+    }
+    out["saved_at_boundary_bytes_per_rank"] = boundary_saved
+    out["peak_bytes_per_rank"] = total
+    out["peak_where"] = (
+        "forward/backward boundary"
+        if row.where == BOUNDARY
+        else (f"backward of {row.where}" if row.where else "backward outside the blocks")
+    )
     return out

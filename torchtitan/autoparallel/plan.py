@@ -178,17 +178,18 @@ class Plan:
 
 
 def memory_line(pred: dict) -> str:
-    """`predicted peak per rank 1.23 GiB = parameters ... + recompute ...` from a plan's
-    predictions (memory.py)."""
+    """`predicted peak per rank 1.23 GiB (where) = parameters ... + backward working set ...`
+    from a plan's predictions (memory.py)."""
     parts = [
         ("parameters", "param_bytes_per_rank"),
         ("gradients", "grad_bytes_per_rank"),
         ("optimizer", "optim_bytes_per_rank"),
         ("saved activations", "activation_bytes_per_rank"),
-        ("recompute", "recompute_bytes_per_rank"),
+        ("backward working set", "transient_bytes_per_rank"),
     ]
     gib = lambda k: pred.get(k, 0.0) / 2**30  # noqa: E731
-    return f"predicted peak per rank {gib('peak_bytes_per_rank'):.3f} GiB = " + " + ".join(
+    where = f" ({pred['peak_where']})" if pred.get("peak_where") else ""
+    return f"predicted peak per rank {gib('peak_bytes_per_rank'):.3f} GiB{where} = " + " + ".join(
         f"{name} {gib(key):.3f}" for name, key in parts
     )
 

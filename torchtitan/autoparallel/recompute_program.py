@@ -12,13 +12,11 @@ first, interior — standing for all interior blocks — and last):
 * `v[b, p]` (continuous): block b's recomputed communication when it follows p.  Big-M rows
   v >= comm - M (1 - z[b, p]) where comm is the chosen edges' redistribution time into the
   nodes p recomputes (their consumers run again, so do their collectives).
-* `T` (continuous): the recompute peak, T >= recomputed bytes of block b under its policy,
-  for every b (memory.py: the peak is the saved values plus the largest block's recompute).
 
 Objective += recompute FLOP time (each recomputed node's compute time, weighted like the
-node) + v.  Memory row: saved terms of block b on u[., ., ., p] for each p where p keeps
-them; terms of no block (the head, the embedding) and "copy" terms as when every block
-follows any allowed policy (an upper bound: these are a few small tensors); + T.
+node) + v.  Memory rows (memory.py, one per candidate peak): a term of block b under policy p
+on u[b, ., ., p] (or on x with its count when pinned); terms of no block on x; "copy" terms
+on their edges, whatever the policy (an upper bound: they are few).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from .memory import block_multiplicity, memory_terms, recomputed_values, term_fraction
+from .memory import block_multiplicity, recomputed_values
 from .recompute import POLICIES, block_label, check_policy
 
 
@@ -158,44 +156,16 @@ class RecomputeChoices:
                         yield b, y
 
     # ------------------------------------------------------------------ memory
-    def memory_terms(self, scale: float) -> tuple[list, list]:
-        """(terms of no block and "copy" terms, as `memory.memory_terms` gives them, with
-        their multiplicity; [(column, coefficient)] of the block terms and the recompute
-        peak) for a memory row divided by `scale` bytes."""
-        prog, m = self.p, self.p.m
-        tg, table = prog.tg, prog.table
-        regathered = prog.solver.regathered
-        shared: dict[tuple, object] = {}
-        cols: list[tuple[int, float]] = []
-        peak: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
-        for p in self.options:
-            for t in memory_terms(tg, table, regathered=regathered, policy=p):
-                b = t.block
-                if t.kind in ("param", "copy") or b is None:
-                    if t.kind != "recompute" and (b is None or self.count(b, p)):
-                        shared.setdefault(t.key, t)
-                    continue
-                k = self.count(b, p)
-                if not k:
-                    continue
-                rep = prog.rep[t.node]
-                for s in range(len(prog.xvars[rep])):
-                    f = term_fraction(t, table, s)
-                    if not f:
-                        continue
-                    col = self.column(b, t.node, s, p)
-                    if t.kind == "recompute":
-                        peak[(b, None if self.auto else p)].append((col, t.full_bytes * f / scale))
-                    else:
-                        cols.append((col, t.full_bytes * f * k / scale))
-        if peak:
-            top = sum(max((c for _col, c in terms), default=0.0) for terms in peak.values())
-            T = m.var(0.0, 0.0, max(top, 1.0))
-            m.unfixable.add(T)
-            for terms in peak.values():
-                m.row(terms + [(T, -1.0)], -float("inf"), 0.0)
-            cols.append((T, 1.0))
-        return list(shared.values()), cols
+    def entry_column(self, e, s: int) -> tuple[int, int]:
+        """(column, multiplier) carrying memory row entry `e` (memory.RowEntry, not a copy)
+        when its node takes strategy s."""
+        node = e.term.node
+        if e.block is None:
+            return self.p.xvars[self.p.rep[node]][s], e.weight
+        if self.auto:
+            mult = self.multiplicity[e.block] if e.saved else 1
+            return self.column(e.block, node, s, e.policy), mult
+        return self.p.xvars[self.p.rep[node]][s], e.multiplier(self.pins)
 
     # ------------------------------------------------------------------ reading the answer
     def counts(self, values) -> dict[str, dict[str, int]]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate
 from . import placements as P
 from .cost import INF, Estimator
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
-from .memory import chain_up, copy_fraction, memory_terms, param_chains, term_fraction
+from .memory import chain_up, copy_fraction, memory_rows, param_chains, term_fraction
 from .recompute_program import RecomputeChoices
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
@@ -509,12 +509,12 @@ class PlacementSolver:
         """The smallest predicted bytes per rank of any plan under `constraints` (no memory
         budget among them): the same program with the memory row as its objective."""
         program = self._build(constraints, rep)
-        gib = MemoryBudget("", 2.0**30)
-        terms = program.memory_row(gib)
         m = program.m
         m.cost = [0.0] * len(m.cost)
-        for col, v in terms:
-            m.cost[col] += v
+        peak = m.var(1.0, 0.0, highspy.kHighsInf)  # GiB; peak >= every row
+        m.unfixable.add(peak)
+        for terms in program.memory_rows(2.0**30):
+            m.row(terms + [(peak, -1.0)], -highspy.kHighsInf, 0.0)
         status, values, obj, _how, _gap = m.solve(time_limit, False)
         if values is None:
             return None
@@ -791,35 +791,50 @@ class _Program:
         )
 
     def add_memory_budget(self, c: MemoryBudget) -> None:
-        """The budget row: predicted bytes per rank / budget <= 1 (`memory_row`)."""
-        self.m.row(self.memory_row(c), -highspy.kHighsInf, 1.0)
+        """Every candidate peak (memory.py) at most the budget: row / budget <= 1."""
+        for terms in self.memory_rows(c.bytes_per_rank):
+            self.m.row(terms, -highspy.kHighsInf, 1.0)
 
-    def memory_row(self, c: MemoryBudget) -> list[tuple[int, float]]:
-        """sum over memory terms (memory.py: params, grads, optimizer state, saved
-        activations) of bytes * fraction(chosen strategy or redistribution) <= budget,
-        divided by the budget so the coefficients are O(1).  A copy held on an edge counts
-        only if that edge redistributes (through a hub on both steps: an upper bound)."""
-        table, weight = self.table, self.weight
-        terms = []
-        if self.recompute.active:
-            shared, terms = self.recompute.memory_terms(c.bytes_per_rank)
-        else:
-            shared = memory_terms(self.tg, table, regathered=self.solver.regathered)
-        for t in shared:
-            if t.kind == "copy":
-                src = table.nodes[t.node].sources[t.arg]
-                on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
-                on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
-                for y, o, r in on_edge + on_hub:
-                    f = copy_fraction(t, table, o, r)
-                    if f:
-                        terms.append((y, t.full_bytes * weight(t.node) * f / c.bytes_per_rank))
-                continue
-            xs = self.xvars[t.node]
-            for s in range(len(xs)):
-                frac = term_fraction(t, table, s)
-                terms.append((xs[s], t.full_bytes * weight(t.node) * frac / c.bytes_per_rank))
-        return terms
+    def memory_rows(self, scale: float) -> list[list[tuple[int, float]]]:
+        """The memory model's rows (memory.py: params, grads, optimizer state, the
+        activations alive at each candidate peak) in units of `scale` bytes, so the
+        coefficients are O(1).  A copy held on an edge counts only if that edge
+        redistributes (through a hub on both steps: an upper bound)."""
+        table, rc = self.table, self.recompute
+        options = rc.options if rc.active else ("none",)
+        out = []
+        for row in memory_rows(self.tg, table, options, self.solver.regathered):
+            terms: list[tuple[int, float]] = []
+            copies: set = set()
+            for e in row.entries:
+                t = e.term
+                if t.kind == "copy":
+                    if t.key in copies:
+                        continue
+                    copies.add(t.key)
+                    mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
+                    if mult:
+                        self._copy_terms(t, mult / scale, terms)
+                    continue
+                for s in range(len(self.xvars[t.node])):
+                    frac = term_fraction(t, table, s)
+                    if not frac:
+                        continue
+                    col, mult = rc.entry_column(e, s)
+                    if mult:
+                        terms.append((col, t.full_bytes * frac * mult / scale))
+            out.append(terms)
+        return out
+
+    def _copy_terms(self, t, coef: float, terms: list) -> None:
+        table = self.table
+        src = table.nodes[t.node].sources[t.arg]
+        on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
+        on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
+        for y, o, r in on_edge + on_hub:
+            f = copy_fraction(t, table, o, r)
+            if f:
+                terms.append((y, t.full_bytes * f * coef))
 
     # ---------------------------------------------------------------- reading the answer
     def solution(self, values, status, obj, how, gap) -> Solution:

@@ -1,0 +1,170 @@
+"""When each activation of the joint graph is alive, in the order the executor runs it.
+
+The executor (lower.py) runs the forward graph, then the backward graph: the backward's ops in
+graph order, each preceded by the values recomputed for it (recompute.py), every value freed
+after its last use.  `snapshots` replays that order on the planner's joint graph, under one
+recompute policy for every block, and reports the moments the memory model (memory.py) needs:
+
+* `"boundary"`: the backward's start.  Every saved value, the forward outputs (the caller's
+  loss still holds them) and their gradients (the tangents) are alive.
+* one per block, and one for the rest (`None`: the head, the loss's backward, glue): the moment
+  in that part of the backward when the most bytes are alive, at global size (a proxy: the
+  shardings are what the solver decides).
+
+A snapshot lists the values alive then as (node, output index) of the strategy nodes whose
+choice sets their local size, split into *saved* (forward values kept for the backward) and
+*transient* (made in the backward: gradients and recomputed values).  Views share their base's
+storage and count as the base; parameters, buffers and parameter gradients are not listed
+(memory.py counts them as static terms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .graph_nodes import is_getitem
+from .recompute import block_label, block_recompute, split_saved
+from .trace import TracedGraph
+
+BOUNDARY = "boundary"
+
+
+@dataclass
+class Snapshot:
+    where: str | None  # BOUNDARY, a block label, or None (the backward outside the blocks)
+    saved: list[tuple[fx.Node, int]] = field(default_factory=list)
+    transient: list[tuple[fx.Node, int]] = field(default_factory=list)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
+
+
+def _nbytes(node: fx.Node, idx: int) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, (list, tuple)):
+        v = v[idx] if idx < len(v) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapshot]:
+    """The moments of the step's backward (module docstring) with every block following
+    `policy`; `recompute_also(node)`: more values the backward recomputes for any reader
+    (the re-gathered parameters' chains)."""
+    graph = tg.gm.graph
+    fwd = tg.forward_nodes
+    static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
+    grads = {g for g in tg.grads.values() if g is not None}
+    order = {x: i for i, x in enumerate(graph.nodes)}
+    in_block = block_recompute(policy)
+    also = recompute_also or (lambda n: False)
+    needed = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node not in fwd:
+            needed += [(a, block_label(node)) for a in node.all_input_nodes if a in fwd]
+    _saved, recomputed = split_saved(needed, lambda n, r: also(n) or in_block(n, r))
+
+    def key(a: fx.Node, backward: bool):
+        """The value `a` reads: (node, output index, recomputed?), a view as its base."""
+        idx = 0
+        while True:
+            if is_getitem(a):
+                a, idx = a.args[0], a.args[1]
+                continue
+            if _is_view(a):
+                a = a.args[0]
+                continue
+            break
+        return (a, idx, backward and a in recomputed)
+
+    events: list[tuple[fx.Node, bool]] = [  # (node, runs in the backward)
+        (n, False) for n in graph.nodes if n in fwd and n.op == "call_function"
+    ]
+    first_backward = len(events)
+    # as lower.py orders the backward: the ops reading a tangent in graph order, each after
+    # the recomputed values and tangent-free backward ops it is the first to need
+    backward = {n for n in graph.nodes if n.op == "call_function" and n not in fwd}
+    on_tangent = {t for t in tg.tangents if t is not None}
+    for n in graph.nodes:
+        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
+            on_tangent.add(n)
+    lazy = set(recomputed) | backward
+    done: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        pending, stack = [], [n]
+        while stack:
+            a = stack.pop()
+            if a in done:
+                continue
+            done.add(a)
+            pending.append(a)
+            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
+        events.extend((a, True) for a in sorted(pending, key=order.__getitem__))
+
+    for n in graph.nodes:
+        if n in on_tangent and n.op == "call_function":
+            emit(n)
+    for n in graph.nodes:
+        if n in backward and n not in done:
+            emit(n)
+
+    born: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    for t, (n, backward) in enumerate(events):
+        for a in n.all_input_nodes:
+            k = key(a, backward)
+            if k[0] in static or k[0] in grads:
+                continue
+            last[k] = t
+            born.setdefault(k, first_backward if k[0].op == "placeholder" else t)
+        if not (_is_view(n) or is_getitem(n)) and n not in grads:
+            v = n.meta.get("val")
+            outs = len(v) if isinstance(v, (list, tuple)) else 1
+            for i in range(outs):
+                k = (n, i, backward and n in recomputed)
+                born.setdefault(k, t)
+                last.setdefault(k, t)
+    for o in tg.outputs:  # held by the caller until its loss's backward starts
+        k = key(o, False)
+        last[k] = max(last.get(k, 0), first_backward)
+    alive_at = lambda k, t: born[k] <= t <= last[k]  # noqa: E731
+    values = [k for k in born if _nbytes(k[0], k[1])]
+
+    def split(t: int, where) -> Snapshot:
+        snap = Snapshot(where)
+        for k in values:
+            if alive_at(k, t):
+                forward_value = born[k] < first_backward and not k[2]
+                (snap.saved if forward_value else snap.transient).append((k[0], k[1]))
+        return snap
+
+    weight = lambda k: tg.weight(k[0]) if born[k] < first_backward and not k[2] else 1  # noqa: E731
+    best: dict = {}
+    total = 0
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for k in values:
+        starts.setdefault(born[k], []).append(k)
+        ends.setdefault(last[k], []).append(k)
+    for t, (n, backward) in enumerate(events):
+        for k in starts.get(t, ()):
+            total += _nbytes(k[0], k[1]) * weight(k)
+        if backward:
+            where = block_label(n)
+            if where not in best or total > best[where][0]:
+                best[where] = (total, t)
+        for k in ends.get(t, ()):
+            total -= _nbytes(k[0], k[1]) * weight(k)
+    out = [split(first_backward, BOUNDARY)]
+    out += [split(t, where) for where, (_b, t) in best.items()]
+    return out
