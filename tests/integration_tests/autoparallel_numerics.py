@@ -171,8 +171,20 @@ def close(a, b, bf16):
     return (a.float() - b).abs().max().item() <= 3e-2 * max(b.abs().max().item(), 1e-6)
 
 
+def mixed_recompute(blocks) -> dict[str, str]:
+    """Block i of every repeated stack recomputes fully, selectively or not at all, in turn."""
+    cycle = ("full", "selective", "none")
+    return {f"{b.container}#{i}": cycle[i % 3] for b in blocks for i in range(len(b.keys))}
+
+
 def run_one(model_name, mesh_name, world, bf16=False):
-    make_model, make_inputs, make_labels, kind = models()[model_name]
+    # "<model>+recompute": the model's repeated blocks recompute in the backward (full,
+    # selective, none in turn); llama then has 4 layers (a stack needs 4 to be repeated)
+    recompute = model_name.endswith("+recompute")
+    base = model_name.removesuffix("+recompute")
+    if recompute and base == "llama":
+        os.environ.setdefault("AP_LLAMA_LAYERS", "4")
+    make_model, make_inputs, make_labels, kind = models()[base]
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     batch_pin = tuple(Shard(0) if n == "dp" else Replicate() for n in names)
@@ -205,6 +217,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
         mp_policy=mp,
         executor=EXECUTOR,
     ) as autop:
+        if recompute:
+            autop.set_recompute(mixed_recompute(autop.blocks))
         autop.add_parameter_memory_constraint()
         autop.add_input_constraints([batch_pin])
         autop.add_output_constraints([batch_pin])
@@ -303,6 +317,34 @@ def run_one(model_name, mesh_name, world, bf16=False):
             if not close(p.full_tensor(), names_ref[n].detach(), bf16)
         ]
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
+    if recompute:
+        check_recomputes(model_name, mesh_name, pm, plan)
+
+
+def check_recomputes(model_name, mesh_name, pm, plan) -> None:
+    """The executor ran the plan's policies: a fully recomputed block keeps at most its output
+    for the backward, a selective one its matmul/attention outputs and its output."""
+    from torchtitan.autoparallel.recompute import block_label, kept_by_selective
+
+    runner = pm._ap_runner
+    (lp,) = runner._lowered.values()
+    outs = next(n for n in lp.partition.fwd.graph.nodes if n.op == "output").args[0]
+    kept: dict[str, list] = {}
+    for n in outs[lp.n_out :]:
+        if block_label(n) is not None:
+            kept.setdefault(block_label(n), []).append(n)
+    policies = {b: p for b, p in plan.recompute.items() if p != "none"}
+    bad = [b for b, p in policies.items() if p == "full" and len(kept.get(b, [])) > 1]
+    bad += [
+        b
+        for b, p in policies.items()
+        if p == "selective" and sum(not kept_by_selective(n) for n in kept.get(b, [])) > 1
+    ]
+    check(
+        f"{model_name}/{mesh_name} recomputes {len(policies)} blocks",
+        runner.recompute == policies and policies and not bad,
+        f"kept by {bad[:2]}: {[[n.name for n in kept.get(b, [])] for b in bad[:2]]}",
+    )
 
 
 def check_attention_rules(mesh_name: str) -> None:

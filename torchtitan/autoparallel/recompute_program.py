@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
+from .edge_keys import ConsumerEdge
 from .memory import block_multiplicity, recomputed_values
 from .recompute import POLICIES, block_label, check_policy
 
@@ -146,8 +147,6 @@ class RecomputeChoices:
 
     def _recomputed_edges(self, recomputed: set):
         """(block, y) of every redistributing pair into a recomputed node."""
-        from .solver import ConsumerEdge
-
         for key, pairs in self.p.edge_pair_vars.items():
             if isinstance(key, ConsumerEdge) and key.node in recomputed:
                 b = block_label(key.node)

@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate
 
 from . import placements as P
 from .cost import INF, Estimator
+from .edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
 from .memory import chain_up, copy_fraction, memory_rows, param_chains, term_fraction
 from .recompute_program import RecomputeChoices
@@ -345,39 +346,6 @@ def _reduced_cost_fixing(x, reduced_cost, lb, ub, slack: float) -> np.ndarray:
     at_zero = (x <= 1e-9) & (np.asarray(lb) == 0.0)
     out[at_zero & (reduced_cost > slack + margin)] = 0.0
     return out
-
-
-@dataclass(frozen=True)
-class ConsumerEdge:
-    """Input `arg` of `node`: where a value is redistributed for its consumer."""
-
-    node: fx.Node
-    arg: int
-
-
-@dataclass(frozen=True)
-class HubEdge:
-    """Output `index` of `node` into its hub (one redistribution shared by consumers)."""
-
-    node: fx.Node
-    index: int
-
-
-@dataclass(frozen=True)
-class GradEdge:
-    """The gradient of parameter `fqn` into the parameter's placement."""
-
-    fqn: str
-
-
-@dataclass(frozen=True)
-class OutputEdge:
-    """Forward output `index` into its sink placement."""
-
-    index: int
-
-
-EdgeKey = ConsumerEdge | HubEdge | GradEdge | OutputEdge
 
 
 class PlacementSolver:
