@@ -186,10 +186,13 @@ def test_mixed_precision_mlp():
 def test_compiled_matches_single_process_from_step_2_on():
     """The models whose compiled gradients used to go wrong from the second call on
     (LayerNorm statistics captured as constants) and Llama, 5 steps through inductor."""
-    checks = _torchrun("mixer,tied,llama", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500)
+    checks = _torchrun(
+        "mixer,tied,llama+recompute", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500
+    )
     assert "mixer+compile/dp2tp2 grads x5" in checks
     assert "tied+compile/dp2tp2 params after 5 steps" in checks
-    assert "llama+compile/dp2tp2 grads x5" in checks
+    assert "llama+recompute+compile/dp2tp2 grads x5" in checks
+    assert "llama+recompute+compile/dp2tp2 recomputes 3 blocks" in checks
 
 
 @pytest.mark.skipif(
