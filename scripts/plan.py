@@ -9,7 +9,9 @@ Prints the stage timings as they finish, the plan per parameter group (repeated 
 collapsed), the predicted step time (compute / exposed communication) and memory per rank,
 and the same figures for torchtitan's hand-written plans on that mesh, priced by the same cost
 model: every parameter is pinned to the hand-written placement and the solver prices (and
-chooses) the rest of the graph.  Writes `plan.json` and `plan.html` (which tensor dim is split
+chooses) the rest of the graph; each is priced without activation checkpointing, with full AC
+and with selective AC (`+ SAC`: matmul and attention outputs kept).  The automatic plan
+chooses its own recomputation per block under the memory budget (`--recompute auto`).  Writes `plan.json` and `plan.html` (which tensor dim is split
 on which mesh dim, parameter by parameter, layer by layer) into `--out-dir`.
 
 `--mesh auto` with `--world N` first plans every (dp, tp) split of the world that the model
@@ -80,6 +82,14 @@ def parse_args(argv=None):
         type=float,
         default=None,
         help="additionally bound parameter memory to this fraction of all parameters",
+    )
+    ap.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full", "auto"),
+        default="auto",
+        help="activation recomputation of the automatic plan: one policy for every block, or "
+        "auto (the solver chooses per block under the memory budget); hand-written plans "
+        "are priced with none, full and selective",
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
@@ -219,10 +229,11 @@ def run(a) -> int:
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-    def constrain(autop, names, param_pins=None):
+    def constrain(autop, names, param_pins=None, recompute=None):
         dp = dp_dim(names)
         pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(names)))
         autop.clear_constraints()
+        autop.set_recompute(recompute or a.recompute)
         autop.add_input_constraints([pin])
         autop.add_output_constraints([pin])
         if param_pins is None:
@@ -282,12 +293,18 @@ def run(a) -> int:
             if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
             for label, pins in baselines:
-                _progress(f"  pricing hand-written {label} ...")
-                constrain(autop, names, pins)
-                plans[label] = autop.optimize_placement()
-                _progress(
-                    f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s"
-                )
+                for policy, suffix in (
+                    ("none", ""),
+                    ("full", " + full AC"),
+                    ("selective", " + SAC"),
+                ):
+                    _progress(f"  pricing hand-written {label}{suffix} ...")
+                    constrain(autop, names, pins, policy)
+                    plans[label + suffix] = autop.optimize_placement()
+                    _progress(
+                        f"  build {autop.timings['build']:.2f}s, solve "
+                        f"{autop.timings['solve']:.2f}s"
+                    )
         if a.apply:
             _progress("  apply_placement ...")
             try:
@@ -322,12 +339,21 @@ def run(a) -> int:
     for label, plan in plans.items():
         print(summary_line(label, plan))
     if len(plans) > 1:
-        best_label, best = min(
-            ((k, v) for k, v in plans.items() if k != "auto"),
-            key=lambda kv: kv[1].predicted["step_us"],
-        )
-        ratio = auto.predicted["step_us"] / best.predicted["step_us"]
-        print(f"auto / best hand-written ({best_label}) predicted step: {ratio:.3f}")
+        budget = budget_gib * 2**30
+        fitting = [
+            (k, v)
+            for k, v in plans.items()
+            if k != "auto" and v.predicted["peak_bytes_per_rank"] <= budget
+        ]
+        if fitting:
+            best_label, best = min(fitting, key=lambda kv: kv[1].predicted["step_us"])
+            ratio = auto.predicted["step_us"] / best.predicted["step_us"]
+            print(
+                f"auto / best hand-written that fits {budget_gib:g} GiB ({best_label}) "
+                f"predicted step: {ratio:.3f}"
+            )
+        else:
+            print(f"no hand-written plan fits {budget_gib:g} GiB per rank")
     t = auto.timings
     print(
         "timings: "

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .plan import Plan, name_pattern
+from .recompute import describe_policies
 
 
 def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
@@ -50,22 +51,33 @@ def gib(x: float) -> str:
 
 
 def summary_line(label: str, plan: Plan) -> str:
-    """One line: predicted step = compute + exposed communication, and memory per rank."""
+    """One line: predicted step = compute + recompute + exposed communication, the
+    recompute policies, and the predicted peak memory per rank with its parts."""
     p = plan.predicted
     comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
+    rec = p.get("recompute_us", 0.0)
     mem = p.get("peak_bytes_per_rank")
     mem_s = (
         ""
         if mem is None
         else (
-            f" | memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
+            f" | peak memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
             f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
-            f"activations {gib(p['activation_bytes_per_rank'])})"
+            f"saved activations {gib(p['activation_bytes_per_rank'])}, backward working set "
+            f"{gib(p.get('transient_bytes_per_rank', 0.0))}"
+            + (f"; {p['peak_where']}" if p.get("peak_where") else "")
+            + ")"
         )
     )
+    rec_s = f" + recompute {rec / 1e3:9.2f} ms" if rec else ""
+    policies = (
+        f" | recompute {describe_policies(plan.recompute)}"
+        if any(v != "none" for v in plan.recompute.values())
+        else ""
+    )
     return (
-        f"{label:<14} step {(comp + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms "
-        f"+ exposed comm {comm / 1e3:9.2f} ms{mem_s}"
+        f"{label:<14} step {(comp + rec + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms"
+        f"{rec_s} + exposed comm {comm / 1e3:9.2f} ms{policies}{mem_s}"
     )
 
 
