@@ -18,6 +18,17 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def is_view(node: fx.Node) -> bool:
+    """An ATen view of its first argument (shares its storage)."""
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
+
+
 def tensor_meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(val.shape, val.stride(), val.dtype)
 

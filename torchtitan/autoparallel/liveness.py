@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .graph_nodes import is_getitem
-from .recompute import block_label, block_recompute, split_saved
+from .graph_nodes import is_getitem, is_view
+from .recompute import backward_schedule, block_label, block_recompute, split_saved
 from .trace import TracedGraph
 
 BOUNDARY = "boundary"
@@ -37,16 +37,6 @@ class Snapshot:
     where: str | None  # BOUNDARY, a block label, or None (the backward outside the blocks)
     saved: list[tuple[fx.Node, int]] = field(default_factory=list)
     transient: list[tuple[fx.Node, int]] = field(default_factory=list)
-
-
-def _is_view(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target.is_view
-        and bool(node.args)
-        and isinstance(node.args[0], fx.Node)
-    )
 
 
 def _nbytes(node: fx.Node, idx: int) -> int:
@@ -64,7 +54,6 @@ def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapsho
     fwd = tg.forward_nodes
     static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
     grads = {g for g in tg.grads.values() if g is not None}
-    order = {x: i for i, x in enumerate(graph.nodes)}
     in_block = block_recompute(policy)
     also = recompute_also or (lambda n: False)
     needed = []
@@ -80,7 +69,7 @@ def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapsho
             if is_getitem(a):
                 a, idx = a.args[0], a.args[1]
                 continue
-            if _is_view(a):
+            if is_view(a):
                 a = a.args[0]
                 continue
             break
@@ -93,30 +82,11 @@ def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapsho
     # as lower.py orders the backward: the ops reading a tangent in graph order, each after
     # the recomputed values and tangent-free backward ops it is the first to need
     backward = {n for n in graph.nodes if n.op == "call_function" and n not in fwd}
-    on_tangent = {t for t in tg.tangents if t is not None}
-    for n in graph.nodes:
-        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
-            on_tangent.add(n)
-    lazy = set(recomputed) | backward
-    done: set[fx.Node] = set()
-
-    def emit(n: fx.Node) -> None:
-        pending, stack = [], [n]
-        while stack:
-            a = stack.pop()
-            if a in done:
-                continue
-            done.add(a)
-            pending.append(a)
-            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
-        events.extend((a, True) for a in sorted(pending, key=order.__getitem__))
-
-    for n in graph.nodes:
-        if n in on_tangent and n.op == "call_function":
-            emit(n)
-    for n in graph.nodes:
-        if n in backward and n not in done:
-            emit(n)
+    tangents = [t for t in tg.tangents if t is not None]
+    schedule = backward_schedule(
+        list(graph.nodes), backward, tangents, set(recomputed) | backward, set(), list(grads)
+    )
+    events += [(n, True) for n in schedule]
 
     born: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
@@ -127,7 +97,7 @@ def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapsho
                 continue
             last[k] = t
             born.setdefault(k, first_backward if k[0].op == "placeholder" else t)
-        if not (_is_view(n) or is_getitem(n)) and n not in grads:
+        if not (is_view(n) or is_getitem(n)) and n not in grads:
             v = n.meta.get("val")
             outs = len(v) if isinstance(v, (list, tuple)) else 1
             for i in range(outs):

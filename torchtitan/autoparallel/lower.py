@@ -29,7 +29,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import PlannerError
-from .recompute import block_label, block_recompute, split_saved
+from .recompute import backward_schedule, block_label, block_recompute, split_saved
 from .repeat import LABEL_KEY
 
 PARAM, BUFFER, INPUT, TANGENT = "param", "buffer", "input", "tangent"
@@ -189,7 +189,7 @@ def partition(
 
     fwd = _subgraph(joint.gm, [p for p in phs if kind[p] != TANGENT], fwd_outs + saved)
     tangents = [p for p in phs if kind[p] == TANGENT]
-    body = _backward_body(graph, backward, tangents, set(recomputed), regather, order)
+    body = _backward_body(graph, backward, tangents, set(recomputed), regather, grad_outs)
     bwd = _subgraph(joint.gm, saved + tangents, grad_outs, body)
     return Partition(
         fwd,
@@ -202,7 +202,7 @@ def partition(
 
 
 def _backward_body(
-    graph: fx.Graph, backward: set, tangents: list, recomputed: set, regather: set, order: dict
+    graph: fx.Graph, backward: set, tangents: list, recomputed: set, regather: set, grads: list
 ) -> list[fx.Node]:
     """The backward graph's nodes in execution order: re-gathered parameters first (the
     bucketing pass schedules them), then the ops that read a tangent, each preceded by what
@@ -210,25 +210,7 @@ def _backward_body(
     no tangent.  So a block's activations are made again only when the backward reaches it."""
     body = [n for n in graph.nodes if n in recomputed and n in regather]
     lazy = (recomputed - regather) | backward
-    on_tangent = set(tangents)
-    for n in graph.nodes:
-        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
-            on_tangent.add(n)
-    done: set[fx.Node] = set(body)
-    for n in graph.nodes:
-        if n not in on_tangent or n.op == "placeholder":
-            continue
-        pending, stack = [], [n]
-        while stack:
-            a = stack.pop()
-            if a in done:
-                continue
-            done.add(a)
-            pending.append(a)
-            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
-        body += sorted(pending, key=order.__getitem__)
-    body += [n for n in graph.nodes if n in lazy and n not in done and n.op != "placeholder"]
-    return body
+    return body + backward_schedule(list(graph.nodes), backward, tangents, lazy, set(body), grads)
 
 
 def _subgraph(

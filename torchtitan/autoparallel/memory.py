@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from . import placements as P
+from .graph_nodes import is_view
 from .liveness import BOUNDARY, snapshots
 from .recompute import block_label, block_recompute, split_saved
 from .strategies import StrategyTable, resolve_source
@@ -100,19 +101,9 @@ class MemoryRow:
 
 def _base(src):
     node, idx = src
-    while _is_view(node):
+    while is_view(node):
         node, idx = resolve_source(node.args[0])
     return node, idx
-
-
-def _is_view(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target.is_view
-        and bool(node.args)
-        and isinstance(node.args[0], fx.Node)
-    )
 
 
 def _needed(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
@@ -161,7 +152,7 @@ def saved_view_inputs(
     base: a redistribution there makes the copy the saved view keeps alive."""
     edges: dict = {}
     for node, _idx in _saved(tg, policy)[0]:
-        while _is_view(node) and node in table.nodes:
+        while is_view(node) and node in table.nodes:
             ns = table.nodes[node]
             if not ns.sources:
                 break
@@ -290,7 +281,7 @@ def recomputed_values(
     which allocate nothing, left out)."""
     out = []
     for node in _saved(tg, policy)[1]:
-        if node not in table.nodes or _is_view(node):
+        if node not in table.nodes or is_view(node):
             continue
         v = node.meta.get("val")
         vals = list(v) if isinstance(v, (list, tuple)) else [v]

@@ -118,6 +118,43 @@ def split_saved(
         forced |= clash
 
 
+def backward_schedule(
+    nodes: list[fx.Node], backward: set, tangents, lazy: set, done: set, outputs
+) -> list[fx.Node]:
+    """The order the executor runs the backward in (lower.py; liveness.py replays it): the ops
+    reading a tangent, in graph order (`nodes`), each preceded by the `lazy` nodes (recomputed
+    values, backward ops that need no tangent) it is the first to need; then what `outputs`
+    (the gradients) still need.  Lazy nodes nothing needs are left out: run last, a dead
+    `getitem` of a split would keep the split's base alive all backward long.  Nodes in
+    `done` are not emitted (already placed)."""
+    on_tangent = set(tangents)
+    for n in nodes:
+        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
+            on_tangent.add(n)
+    order = {n: i for i, n in enumerate(nodes)}
+    done = set(done)
+    out: list[fx.Node] = []
+
+    def emit(n: fx.Node) -> None:
+        pending, stack = [], [n]
+        while stack:
+            a = stack.pop()
+            if a in done or a.op == "placeholder":
+                continue
+            done.add(a)
+            pending.append(a)
+            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
+        out.extend(sorted(pending, key=order.__getitem__))
+
+    for n in nodes:
+        if n in on_tangent and n.op != "placeholder":
+            emit(n)
+    for n in outputs:
+        if isinstance(n, fx.Node) and n in lazy:
+            emit(n)
+    return out
+
+
 def block_recompute(policies: dict[str, str] | str) -> Callable[[fx.Node, str | None], bool]:
     """`recompute_for` of `split_saved` for per-block `policies` (block label -> policy, or
     one policy for every block)."""
