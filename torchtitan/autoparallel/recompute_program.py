@@ -9,12 +9,16 @@ first, interior — standing for all interior blocks — and last):
   depend on the policy: "n takes strategy s and b takes p".  Tight product rows like an
   edge's: sum_p u = x[n, s] for every s, sum_s u = z[b, p] for every p, so at 0/1 values u is
   exactly their product.
-* `v[b, p]` (continuous): block b's recomputed communication when it follows p.  Big-M rows
-  v >= comm - M (1 - z[b, p]) where comm is the chosen edges' redistribution time into the
-  nodes p recomputes (their consumers run again, so do their collectives).
+
+Recomputed communication (the redistributions into the nodes a policy recomputes: their
+consumers run again, so do their collectives) is priced on the edges when the policy is
+pinned.  With choices it would be the product of an edge's redistribution and the block's
+policy; as big-M rows (v >= comm - M (1 - z)) it left the relaxation so loose that the debug
+Llama's dp2xtp2 program (130k columns) ran into the 300 s limit at a 3% gap, so the choice is
+made on FLOP time and memory, and the plan reports the communication too (`recompute_us`).
 
 Objective += recompute FLOP time (each recomputed node's compute time, weighted like the
-node) + v.  Memory rows (memory.py, one per candidate peak): a term of block b under policy p
+node).  Memory rows (memory.py, one per candidate peak): a term of block b under policy p
 on u[b, ., ., p] (or on x with its count when pinned); terms of no block on x; "copy" terms
 on their edges, whatever the policy (an upper bound: they are few).
 """
@@ -130,20 +134,11 @@ class RecomputeChoices:
         per_block: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         for b, y in self._recomputed_edges(recomputed):
             per_block[b][y] += scaled[y] * self.count(b, policy)
-        for b, coef in per_block.items():
-            if not self.auto:
-                for y, c in coef.items():
-                    m.cost[y] += c
-                continue
-            big = sum(coef.values())  # every edge at its dearest pair: an upper bound
-            v = m.var(1.0, 0.0, big)
-            m.unfixable.add(v)
-            # v >= sum c y - big (1 - z[b, p])
-            m.row(
-                [(y, c) for y, c in coef.items()] + [(v, -1.0), (self.z[b][policy], big)],
-                -float("inf"),
-                big,
-            )
+        if self.auto:  # see the module docstring
+            return
+        for coef in per_block.values():
+            for y, c in coef.items():
+                m.cost[y] += c
 
     def _recomputed_edges(self, recomputed: set):
         """(block, y) of every redistributing pair into a recomputed node."""
