@@ -11,8 +11,9 @@ and the same figures for torchtitan's hand-written plans on that mesh, priced by
 model: every parameter is pinned to the hand-written placement and the solver prices (and
 chooses) the rest of the graph; each is priced without activation checkpointing, with full AC
 and with selective AC (`+ SAC`: matmul and attention outputs kept).  The automatic plan
-chooses its own recomputation per block under the memory budget (`--recompute auto`).  Writes `plan.json` and `plan.html` (which tensor dim is split
-on which mesh dim, parameter by parameter, layer by layer) into `--out-dir`.
+chooses its own recomputation per block under the memory budget (`--recompute auto`).
+Writes `plan.json` and `plan.html` (which tensor dim is split on which mesh dim, parameter by
+parameter, layer by layer) into `--out-dir`.
 
 `--mesh auto` with `--world N` first plans every (dp, tp) split of the world that the model
 allows (tp divides heads, kv-heads, dim, SwiGLU width, vocabulary and sequence; tp within a
