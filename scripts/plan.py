@@ -294,11 +294,9 @@ def run(a) -> int:
             if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
             for label, pins in baselines:
-                for policy, suffix in (
-                    ("none", ""),
-                    ("full", " + full AC"),
-                    ("selective", " + SAC"),
-                ):
+                variants = (("none", ""), ("full", " + full AC"), ("selective", " + SAC"))
+                # activation checkpointing needs a stack of repeated blocks to apply to
+                for policy, suffix in variants if autop.blocks else variants[:1]:
                     _progress(f"  pricing hand-written {label}{suffix} ...")
                     constrain(autop, names, pins, policy)
                     plans[label + suffix] = autop.optimize_placement()
