@@ -46,6 +46,17 @@ def _nbytes(node: fx.Node, idx: int) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
+def backward_reads(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
+    """(forward value, block of the backward node reading it) for every read across the
+    forward/backward boundary, and (output, None) for the forward outputs."""
+    fwd = tg.forward_nodes
+    out = []
+    for node in tg.gm.graph.nodes:
+        if node.op == "call_function" and node not in fwd:
+            out += [(a, block_label(node)) for a in node.all_input_nodes if a in fwd]
+    return out + [(o, None) for o in tg.outputs]
+
+
 def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapshot]:
     """The moments of the step's backward (module docstring) with every block following
     `policy`; `recompute_also(node)`: more values the backward recomputes for any reader
@@ -56,11 +67,7 @@ def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapsho
     grads = {g for g in tg.grads.values() if g is not None}
     in_block = block_recompute(policy)
     also = recompute_also or (lambda n: False)
-    needed = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node not in fwd:
-            needed += [(a, block_label(node)) for a in node.all_input_nodes if a in fwd]
-    _saved, recomputed = split_saved(needed, lambda n, r: also(n) or in_block(n, r))
+    _saved, recomputed = split_saved(backward_reads(tg), lambda n, r: also(n) or in_block(n, r))
 
     def key(a: fx.Node, backward: bool):
         """The value `a` reads: (node, output index, recomputed?), a view as its base."""

@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from . import placements as P
 from .graph_nodes import is_view
-from .liveness import BOUNDARY, snapshots
+from .liveness import BOUNDARY, backward_reads, snapshots
 from .recompute import block_label, block_recompute, split_saved
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
@@ -106,43 +106,11 @@ def _base(src):
     return node, idx
 
 
-def _needed(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
-    """(forward value, block of the backward node reading it) for every read across the
-    forward/backward boundary, and (output, None) for the forward outputs."""
-    fwd = tg.forward_nodes
-    out = []
-    for node in tg.gm.graph.nodes:
-        if node in fwd or node.op != "call_function":
-            continue
-        reader = block_label(node)
-        out += [(a, reader) for a in node.all_input_nodes if a in fwd]
-    out += [(o, None) for o in tg.outputs]
-    return out
-
-
 def _saved(tg: TracedGraph, policy: str) -> tuple[list, set[fx.Node]]:
     """(node, output index) of every saved forward tensor when every block follows `policy`,
     and the nodes the blocks recompute."""
-    saved, recomputed = split_saved(_needed(tg), block_recompute(policy))
+    saved, recomputed = split_saved(backward_reads(tg), block_recompute(policy))
     return list(dict.fromkeys(resolve_source(n) for n in saved)), set(recomputed)
-
-
-def saved_activations(
-    tg: TracedGraph, table: StrategyTable, policy: str = "none"
-) -> list[tuple[fx.Node, int]]:
-    """(producer, output index) of every saved forward tensor (views -> base), see module doc."""
-    params = set(tg.params.values()) | set(tg.buffers.values())
-    seen: dict = {}
-    for src in _saved(tg, policy)[0]:
-        src = _base(src)
-        if src[0] in params or src[0] not in table.nodes:
-            continue
-        v = src[0].meta.get("val")
-        if isinstance(v, (list, tuple)):
-            v = v[src[1]]
-        if isinstance(v, torch.Tensor):
-            seen[src] = True
-    return list(seen)
 
 
 def saved_view_inputs(
