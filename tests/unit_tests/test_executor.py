@@ -63,6 +63,23 @@ def param_gathers(part, graph: str):
     return [n for n in nodes(gm, AG) if n in side]
 
 
+def gathered_units(part, ag) -> set[str]:
+    """The units (FQN up to the block index) of the parameters a backward gather reads."""
+    phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
+    fqn = dict(zip(phs, part.saved_names))
+    seen, stack, out = set(), [ag], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if fqn.get(n):
+            parts = fqn[n].split(".")
+            out.add(".".join(parts[:2]) if parts[0] == "layers" else "")
+        stack.extend(n.all_input_nodes)
+    return out
+
+
 def test_one_gather_and_one_reduction_per_unit(dp4):
     lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32))
     part = lp.partition
@@ -75,7 +92,10 @@ def test_one_gather_and_one_reduction_per_unit(dp4):
     # reductions it has are merged per unit
     assert len(nodes(part.bwd, RS)) < lp.stats["bwd_before"]["reduce_scatter_tensor"]
     assert len(nodes(part.bwd, RS)) <= units
-    assert len(param_gathers(part, "bwd")) == units  # reshard_after_forward=True: all again
+    # reshard_after_forward=True: the backward gathers again, one collective per unit
+    again = [gathered_units(part, ag) for ag in param_gathers(part, "bwd")]
+    assert again and all(len(u) == 1 for u in again), again
+    assert len({u for (u,) in again}) == len(again), again
 
 
 def test_next_units_gather_overlaps_compute(dp4):
@@ -99,10 +119,16 @@ def test_default_policy_keeps_root_and_last_unit_gathered(dp4):
     lp = lowered(
         dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward="default"
     )
-    assert len(param_gathers(lp.partition, "bwd")) == 4  # layers.0..3; layers.4 and head kept
+    expected = {"": False, **{f"layers.{i}": i < 4 for i in range(5)}}  # root, last: kept
+    assert lp.module._ap_runner.plan.regathered == expected
+    again = set().union(
+        *(gathered_units(lp.partition, ag) for ag in param_gathers(lp.partition, "bwd"))
+    )
+    assert again and again <= {u for u, yes in expected.items() if yes}, again
     never = lowered(
         dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward=False
     )
+    assert not any(never.module._ap_runner.plan.regathered.values())
     assert not param_gathers(never.partition, "bwd")
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import Placement, Shard
 from . import placements as P
 from . import repeat
 from .apply import GraphRunner, build_parallel_module
-from .buckets import fsdp_units, regathered_params
+from .buckets import fsdp_units
 from .cluster import cluster_nodes
 from .cost import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
@@ -38,6 +38,7 @@ from .plan import Plan
 from .plan_cache import cached_or_solved
 from .precision import cast_edges
 from .recompute import check_policy
+from .regather import check_reshard_policy, regather_setting
 from .report import solution_to_plan
 from .solver import (
     MemoryBudget,
@@ -114,9 +115,11 @@ class AutoParallel:
 
     Execution (`apply_placement`): `executor="lowered"` runs the plan as local forward and
     backward graphs (lower.py, executor.py; "dtensor" interprets it over DTensors, a reference
-    path); `reshard_after_forward` (True/"always", False/"never", or torchtitan's "default":
-    all but the root and the last unit) re-gathers parameters in the backward instead of
-    keeping them; `bucket` merges each unit's parameter gathers and gradient reductions
+    path); `reshard_after_forward` says which units gather their parameters again in the
+    backward instead of keeping them (regather.py): True/"always", False/"never",
+    torchtitan's "default" (all but the root and the last unit), or "auto": the solver
+    decides per unit, pricing the backward's gathers against the memory kept (under
+    `add_memory_constraint`; without a budget keeping is free); `bucket` merges each unit's parameter gathers and gradient reductions
     (buckets.py).
 
     `recompute`: what each repeated block recomputes in the backward instead of keeping it
@@ -157,7 +160,8 @@ class AutoParallel:
         self.share_repeated = share_repeated
         self.backward = backward
         self.executor = executor
-        self.reshard_after_forward, self.bucket = reshard_after_forward, bucket
+        self.reshard_after_forward = check_reshard_policy(reshard_after_forward)
+        self.bucket = bucket
         if isinstance(recompute, dict):
             recompute = {str(b): check_policy(p) for b, p in recompute.items()}
         elif recompute != "auto":
@@ -258,8 +262,11 @@ class AutoParallel:
             self.table,
             self.estimator,
             no_comm_edges=cast_edges(self.tg, self.table) if self.param_dtype is not None else (),
-            regathered=regathered_params(
-                self.tg.params, self.reshard_after_forward, fsdp_units(self.model)
+            regather=regather_setting(
+                self.reshard_after_forward,
+                list(self.param_shapes()),
+                fsdp_units(self.model),
+                self._traced_name,
             ),
             recompute=self._recompute_setting(),
         )

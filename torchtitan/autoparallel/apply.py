@@ -39,6 +39,7 @@ from .errors import PlannerError
 from .graph_nodes import is_getitem
 from .plan import Plan, graph_fingerprint
 from .recompute import check_policy, describe_policies
+from .regather import check_reshard_policy
 from .trace import TracedGraph
 
 
@@ -113,11 +114,11 @@ class GraphRunner:
             raise PlannerError(f"grad_reduction must be 'mean' or 'sum', got '{grad_reduction}'")
         if backward not in ("plan", "autograd"):
             raise PlannerError(f"backward must be 'plan' or 'autograd', got '{backward}'")
-        policy = {True: "always", False: "never"}.get(reshard_after_forward, reshard_after_forward)
-        if policy not in ("always", "never", "default"):
+        policy = check_reshard_policy(reshard_after_forward)
+        if policy == "auto" and plan.regathered is None:
             raise PlannerError(
-                "reshard_after_forward must be True, False, 'always', 'never' or "
-                f"'default', got {reshard_after_forward!r}"
+                "reshard_after_forward='auto' runs the plan's own choice, and this plan has "
+                "none (made by an older planner): plan again"
             )
         if executor not in ("lowered", "dtensor"):
             raise PlannerError(f"executor must be 'lowered' or 'dtensor', got '{executor}'")
@@ -195,11 +196,16 @@ class GraphRunner:
                 env.get(_REDISTRIBUTED, {}).pop(v, None)
 
     def kept_gathered(self) -> set[str] | None:
-        """Parameters whose gathered values the forward keeps for the backward (None: all)."""
+        """Parameters whose gathered values the forward keeps for the backward (None: all):
+        as the plan chose (regather.py), or, for a plan without that choice, as the
+        reshard-after-forward policy says."""
+        from .buckets import regathered_params, unit_of
+
+        if self.plan.regathered is not None:
+            again = {u for u, yes in self.plan.regathered.items() if yes}
+            return {f for f in self.tg.params if unit_of(f, self.units) not in again}
         if self.reshard_policy == "never":
             return None
-        from .buckets import regathered_params
-
         return set(self.tg.params) - regathered_params(
             self.tg.params, self.reshard_policy, self.units
         )

@@ -38,7 +38,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .lower import Partition, param_side
+from .graph_nodes import param_side
+from .lower import Partition
 
 _C = torch.ops._c10d_functional
 AG = _C.all_gather_into_tensor.default

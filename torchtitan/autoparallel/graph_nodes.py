@@ -29,6 +29,18 @@ def is_view(node: fx.Node) -> bool:
     )
 
 
+def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
+    """Nodes (of `nodes`, in a topological order) computed from `param_inputs` (parameter and
+    buffer placeholders) alone."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "call_function" and all(
+            a in out or a in param_inputs for a in n.all_input_nodes
+        ):
+            out.add(n)
+    return out
+
+
 def tensor_meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(val.shape, val.stride(), val.dtype)
 

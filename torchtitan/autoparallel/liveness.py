@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .graph_nodes import is_getitem, is_view
-from .recompute import backward_schedule, block_label, block_recompute, split_saved
+from .graph_nodes import is_getitem, is_view, param_side
+from .recompute import backward_schedule, block_label, recompute_rule, split_saved
 from .trace import TracedGraph
 
 BOUNDARY = "boundary"
@@ -57,17 +57,21 @@ def backward_reads(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
     return out + [(o, None) for o in tg.outputs]
 
 
-def snapshots(tg: TracedGraph, policy: str, recompute_also=None) -> list[Snapshot]:
+def parameter_valued(tg: TracedGraph) -> set[fx.Node]:
+    """Nodes of the joint graph computed from parameters and buffers alone."""
+    return param_side(tg.gm.graph.nodes, set(tg.params.values()) | set(tg.buffers.values()))
+
+
+def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
     """The moments of the step's backward (module docstring) with every block following
-    `policy`; `recompute_also(node)`: more values the backward recomputes for any reader
-    (the re-gathered parameters' chains)."""
+    `policy`; `regathered(node)`: whether a parameter-valued node is made again in the
+    backward (its parameters are gathered again, regather.py)."""
     graph = tg.gm.graph
     fwd = tg.forward_nodes
     static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
     grads = {g for g in tg.grads.values() if g is not None}
-    in_block = block_recompute(policy)
-    also = recompute_also or (lambda n: False)
-    _saved, recomputed = split_saved(backward_reads(tg), lambda n, r: also(n) or in_block(n, r))
+    rule = recompute_rule(policy, parameter_valued(tg), regathered or (lambda n: False))
+    _saved, recomputed = split_saved(backward_reads(tg), rule)
 
     def key(a: fx.Node, backward: bool):
         """The value `a` reads: (node, output index, recomputed?), a view as its base."""

@@ -29,7 +29,8 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import PlannerError
-from .recompute import backward_schedule, block_label, block_recompute, split_saved
+from .graph_nodes import param_side
+from .recompute import backward_schedule, block_label, recompute_rule, split_saved
 from .repeat import LABEL_KEY
 
 PARAM, BUFFER, INPUT, TANGENT = "param", "buffer", "input", "tangent"
@@ -126,18 +127,6 @@ def _check_constants(gm: fx.GraphModule, allowed: set[int]) -> None:
             )
 
 
-def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
-    """Nodes (of `nodes`, in a topological order) computed from `param_inputs` (parameter and
-    buffer placeholders) alone."""
-    out: set[fx.Node] = set()
-    for n in nodes:
-        if n.op == "call_function" and all(
-            a in out or a in param_inputs for a in n.all_input_nodes
-        ):
-            out.add(n)
-    return out
-
-
 def partition(
     joint: LocalJoint, keep: set[str] | None = None, policies: dict[str, str] | None = None
 ) -> Partition:
@@ -172,7 +161,7 @@ def partition(
     regather: set[fx.Node] = set()
     if keep is not None:
         regather = param_side(graph.nodes, {p for p in params if name[p] not in keep})
-    in_block = block_recompute(policies or {})
+    rule = recompute_rule(policies or {}, param_side(graph.nodes, params), regather.__contains__)
 
     # forward values the backward reads (a gradient that is a forward value counts as read)
     needed = [
@@ -183,7 +172,7 @@ def partition(
         if a not in backward
     ]
     needed += [(g, None) for g in grad_outs if isinstance(g, fx.Node) and g not in backward]
-    saved, recomputed = split_saved(needed, lambda n, reader: n in regather or in_block(n, reader))
+    saved, recomputed = split_saved(needed, rule)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 

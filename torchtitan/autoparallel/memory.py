@@ -15,9 +15,20 @@ recomputed values) alive then, each at its local size under the chosen strategy,
 the plan.  The predicted peak is the largest row; a memory budget bounds every row.  A saved
 value counts as its base (views share storage).  When the plan redistributes a tensor on its
 way into a saved view (the transpose of an all-gathered weight), the view keeps that copy
-alive: a "copy" term on the edge, in the placement the view receives.  Parameters the executor
-re-gathers in the backward (`regathered`, its reshard-after-forward policy) are recomputed
-there: their chain (cast, transpose, gathered copy) is transient, alive around its use.
+alive: a "copy" term on the edge, in the placement the view receives.
+
+*Keep or gather again* (regather.py).  A unit that keeps its gathered parameters holds their
+chain's values (cast, transpose, gathered copies: the copy on an edge into a saved view, and
+the redistribution on every edge from a saved chain value into the backward, which the
+runner makes once per value and placement and so shares with the forward's) from the
+forward until that unit's backward: in the rows at the boundary, of the backward outside
+the blocks, and of the unit's own block and those after it in model order (the backward
+reaches them first).  A unit that gathers again makes them in the backward, transient around
+their use.  For parameters the solver decides, the row holds both sides, each conditional
+on the decision (`RowEntry.param`): the kept values from the replay in which they are kept,
+the made-again ones from the replay in which they are made again, at the same moment.
+The redistribution into the backward counted as kept is an upper bound when the forward
+read that value in another placement (then the backward makes it, transient).
 
 *Policies.*  Under per-block recompute policies (recompute.py) each block's saved values are
 those of its own policy, and a block's backward row carries its transient values for the
@@ -41,8 +52,9 @@ import torch.fx as fx
 
 from . import placements as P
 from .graph_nodes import is_view
-from .liveness import BOUNDARY, backward_reads, snapshots
-from .recompute import block_label, block_recompute, split_saved
+from .liveness import BOUNDARY, backward_reads, parameter_valued, snapshots
+from .recompute import block_label, recompute_rule, split_saved
+from .regather import Regather
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
@@ -84,8 +96,16 @@ class RowEntry:
     block: str | None = None
     policy: str | None = None
     saved: bool = True
+    # a parameter the solver decides to keep or gather again: the entry counts only when it
+    # is gathered again (`regathered`) or only when it is kept
+    param: str | None = None
+    regathered: bool = False
 
-    def multiplier(self, counts: dict[str, dict[str, int]]) -> int:
+    def multiplier(
+        self, counts: dict[str, dict[str, int]], regathered: frozenset[str] = frozenset()
+    ) -> int:
+        if self.param is not None and (self.param in regathered) != self.regathered:
+            return 0
         if self.block is None:
             return self.weight
         k = counts.get(self.block, {}).get(self.policy, 0)
@@ -109,7 +129,8 @@ def _base(src):
 def _saved(tg: TracedGraph, policy: str) -> tuple[list, set[fx.Node]]:
     """(node, output index) of every saved forward tensor when every block follows `policy`,
     and the nodes the blocks recompute."""
-    saved, recomputed = split_saved(backward_reads(tg), block_recompute(policy))
+    rule = recompute_rule(policy, parameter_valued(tg), lambda n: False)
+    saved, recomputed = split_saved(backward_reads(tg), rule)
     return list(dict.fromkeys(resolve_source(n) for n in saved)), set(recomputed)
 
 
@@ -127,6 +148,23 @@ def saved_view_inputs(
             edges[(node, 0)] = True
             node = ns.sources[0][0]
     return list(edges)
+
+
+def kept_gather_inputs(
+    tg: TracedGraph, table: StrategyTable, chain: dict[fx.Node, str], policy: str = "none"
+) -> list[tuple[fx.Node, int]]:
+    """(backward node, source index) of every edge from a saved value of a parameter's
+    chain into the backward: kept, the redistribution there is the forward's own."""
+    out = []
+    for node, idx in _saved(tg, policy)[0]:
+        if node not in chain:
+            continue
+        for user in node.users:
+            ns = table.nodes.get(user)
+            if ns is None or user in tg.forward_nodes:
+                continue
+            out += [(user, k) for k, src in enumerate(ns.sources) if src == (node, idx)]
+    return out
 
 
 def param_chains(tg: TracedGraph, table: StrategyTable) -> dict[fx.Node, str]:
@@ -167,30 +205,55 @@ def param_terms(tg: TracedGraph, optim_bytes_per_elem: int) -> list[MemoryTerm]:
 
 def copy_terms(
     tg: TracedGraph, table: StrategyTable, policy: str, regathered: frozenset[str]
-) -> list[MemoryTerm]:
-    """The redistributed copies saved views keep alive (module docstring)."""
-    chain = param_chains(tg, table) if regathered else {}
+) -> list[tuple[MemoryTerm, str | None]]:
+    """The redistributed copies saved values keep alive (module docstring), each with the
+    parameter whose chain it belongs to (None: an activation's), none of the parameters in
+    `regathered`."""
+    chain = param_chains(tg, table)
     out = []
-    for node, k in saved_view_inputs(tg, table, policy):
-        if chain.get(node) in regathered:
+    edges = saved_view_inputs(tg, table, policy) + kept_gather_inputs(tg, table, chain, policy)
+    for node, k in dict.fromkeys(edges):
+        src = table.nodes[node].sources[k]
+        fqn = chain.get(src[0]) if src[0] in chain else chain.get(node)
+        if fqn in regathered:
             continue
-        v = _source_value(table.nodes[node].sources[k])
-        out.append(MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k))
+        v = _source_value(src)
+        term = MemoryTerm(node, 0, float(v.numel() * v.element_size()), "copy", arg=k)
+        out.append((term, fqn))
     return out
+
+
+def _alive_for(block: str | None, where: str | None) -> bool:
+    """Whether values kept for `block`'s backward are alive at moment `where` (BOUNDARY, a
+    block's backward, None: the rest of the backward): the backward runs the blocks of a
+    stack last to first.  Unknown orders count as alive."""
+    if where in (BOUNDARY, None) or block is None:
+        return True
+    (cb, _, ib), (cw, _, iw) = block.rpartition("#"), where.rpartition("#")
+    if cb != cw or not (ib.isdigit() and iw.isdigit()):
+        return True
+    return int(iw) >= int(ib)
 
 
 def memory_rows(
     tg: TracedGraph,
     table: StrategyTable,
     options: tuple[str, ...] = ("none",),
-    regathered: frozenset[str] = frozenset(),
+    regather: Regather = Regather(),
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
 ) -> list[MemoryRow]:
-    """The candidate peaks (module docstring) for plans whose blocks follow `options`."""
-    chain = param_chains(tg, table) if regathered else {}
-    also = lambda n: chain.get(n) in regathered  # noqa: E731
+    """The candidate peaks (module docstring) for plans whose blocks follow `options` and
+    whose units keep or gather again their parameters as `regather` says."""
+    chain = param_chains(tg, table)
+    fixed, free = regather.fixed, regather.free
+    decided = lambda n: chain[n] if chain.get(n) in free else None  # noqa: E731
     static = [RowEntry(t, tg.weight(t.node)) for t in param_terms(tg, optim_bytes_per_elem)]
-    sims = {p: snapshots(tg, p, also) for p in options}
+    sims = {p: snapshots(tg, p, lambda n: chain.get(n) in fixed) for p in options}
+    again = {}  # policy -> moment -> the replay with every decided unit gathering again
+    if free:
+        for p in options:
+            every = snapshots(tg, p, lambda n: chain.get(n) in fixed or chain.get(n) in free)
+            again[p] = {snap.where: snap for snap in every}
 
     def activation(node, idx) -> MemoryTerm | None:
         if node not in table.nodes:
@@ -203,12 +266,12 @@ def memory_rows(
         per: dict[str, list[MemoryTerm]] = defaultdict(list)
         for node, idx in snaps[0].saved:  # the boundary: everything saved
             b, t = block_label(node), activation(node, idx)
-            if b is not None and t is not None:
+            if b is not None and t is not None and decided(node) is None:
                 per[b].append(t)
         saved_by_block[p] = per
     rows = []
     for p, snaps in sims.items():
-        copies = copy_terms(tg, table, p, regathered)
+        copies = copy_terms(tg, table, p, fixed)
         for snap in snaps:
             entries = list(static)
             alive: set[str] = set()
@@ -216,7 +279,9 @@ def memory_rows(
                 b, t = block_label(node), activation(node, idx)
                 if t is None:
                     continue
-                if b is None:
+                if decided(node) is not None:  # kept: counts while its unit keeps
+                    entries.append(RowEntry(t, tg.weight(node), param=decided(node)))
+                elif b is None:
                     entries.append(RowEntry(t, tg.weight(node)))
                 else:
                     alive.add(b)
@@ -227,9 +292,18 @@ def memory_rows(
                 b, t = block_label(node), activation(node, idx)
                 if t is not None:
                     entries.append(RowEntry(t, 1, b, p if b else None, saved=False))
-            for t in copies:
+            made_again = again.get(p, {}).get(snap.where)
+            for node, idx in made_again.transient if made_again else ():
+                t = activation(node, idx)
+                if t is not None and node in tg.forward_nodes and decided(node) is not None:
+                    entries.append(RowEntry(t, saved=False, param=decided(node), regathered=True))
+            for t, fqn in copies:
                 b = t.block
-                if b is None:
+                if fqn is not None:  # a parameter's: alive until its block's backward
+                    if _alive_for(b, snap.where):
+                        param = fqn if fqn in free else None
+                        entries.append(RowEntry(t, tg.weight(t.node), param=param))
+                elif b is None:
                     entries.append(RowEntry(t, tg.weight(t.node)))
                 elif b in alive:
                     entries.append(RowEntry(t, block=b, policy=p))
@@ -303,12 +377,15 @@ def plan_memory(
     table: StrategyTable,
     choice: dict,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
-    regathered: frozenset[str] = frozenset(),
+    regather: Regather = Regather(),
     counts: dict[str, dict[str, int]] | None = None,
+    regathered: frozenset[str] = frozenset(),
 ) -> dict:
     """Predicted bytes per rank of a solved choice (node -> strategy index) whose blocks
-    follow `counts` ({block: {policy: how many blocks}}; missing: none): the largest row and
-    its parts, and the saved values at the boundary."""
+    follow `counts` ({block: {policy: how many blocks}}; missing: none) and which gathers
+    `regathered` again (of the parameters `regather` leaves to the solver, the others as it
+    says), as the solver's rows count it: the largest row and its parts, and the saved values
+    at the boundary."""
     blocks = sorted({block_label(n) for n in table.nodes} - {None})
     counts = {
         b: (counts or {}).get(b) or {"none": block_multiplicity(tg, table, b)} for b in blocks
@@ -316,10 +393,10 @@ def plan_memory(
     options = tuple(sorted({p for c in counts.values() for p in c} or {"none"}))
     best = None
     boundary_saved = 0.0
-    for row in memory_rows(tg, table, options, regathered, optim_bytes_per_elem):
+    for row in memory_rows(tg, table, options, regather, optim_bytes_per_elem):
         parts = defaultdict(float)
         for e in row.entries:
-            k = e.multiplier(counts)
+            k = e.multiplier(counts, regathered)
             if not k:
                 continue
             t = e.term

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .errors import PlannerError
 from .recompute import describe_policies
+from .regather import describe_units
 
 
 def name_pattern(fqn: str) -> str:
@@ -46,6 +47,10 @@ class Plan:
     blocks: list[dict] = field(default_factory=list)
     # block of the whole model ("layers#3") -> activation recompute policy (recompute.py)
     recompute: dict[str, str] = field(default_factory=dict)
+    # FSDP unit of the whole model ("layers.3", "" the root) -> whether the backward gathers
+    # its parameters again (else it keeps what the forward gathered; regather.py).  None: a
+    # plan made before this was a choice (the runner's reshard-after-forward policy decides)
+    regathered: dict[str, bool] | None = None
     version: int = 1
 
     # ---------------- serialisation ----------------
@@ -130,6 +135,8 @@ class Plan:
                 f"  recompute: {describe_policies(self.recompute)} "
                 f"(+{pred.get('recompute_us', 0) / 1e3:.2f} ms)"
             )
+        if self.regathered is not None:
+            lines.append("  " + regather_line(self))
         if "peak_bytes_per_rank" in pred:
             lines.append("  " + memory_line(pred))
         return "\n".join(lines)
@@ -175,6 +182,15 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def regather_line(plan: "Plan") -> str:
+    """`gathered parameters: layers.0-6 gather again, root and layers.7 keep (+0.12 ms)`."""
+    us = plan.predicted.get("regather_us", 0.0)
+    return (
+        f"gathered parameters: {describe_units(plan.regathered or {})} "
+        f"(backward gathers again +{us / 1e3:.2f} ms)"
+    )
 
 
 def memory_line(pred: dict) -> str:

@@ -21,7 +21,9 @@ value read by a backward node of block b is recomputed when it was made in block
 policy may recompute its op, and then its own inputs are read in its place, again on behalf of
 block b.  Anything else is saved: values of other blocks (a block boundary is a checkpoint),
 values outside every block, graph inputs and parameters.  A value saved for one reader is
-never also recomputed for another.
+never also recomputed for another.  Values computed from parameters and buffers alone (a
+gathered weight, its cast and transpose) follow no policy: they are kept or gathered again
+as the unit's re-gather decision says (regather.py), for any reader (`recompute_rule`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,22 @@ def block_recompute(policies: dict[str, str] | str) -> Callable[[fx.Node, str | 
         if reader is None or lab != reader:
             return False
         return may_recompute(node, policies if isinstance(policies, str) else policies.get(lab))
+
+    return recompute_for
+
+
+def recompute_rule(
+    policies: dict[str, str] | str, param_side: set[fx.Node], regathered: Callable[[fx.Node], bool]
+) -> Callable[[fx.Node, str | None], bool]:
+    """`recompute_for` of `split_saved` (module docstring): a value of `param_side` (computed
+    from parameters and buffers alone) is made again when `regathered` says so, for any
+    reader; any other value as its block's policy says."""
+    in_block = block_recompute(policies)
+
+    def recompute_for(node: fx.Node, reader: str | None) -> bool:
+        if node in param_side:
+            return regathered(node)
+        return in_block(node, reader)
 
     return recompute_for
 

@@ -96,13 +96,7 @@ class RecomputeChoices:
         key = (block, rep)
         grid = self._u.get(key)
         if grid is None:
-            m, xs = self.p.m, self.p.xvars[rep]
-            grid = self._u[key] = {(k, p): m.var(0.0) for k in range(len(xs)) for p in self.options}
-            for k, x in enumerate(xs):
-                m.row([(grid[k, p], 1.0) for p in self.options] + [(x, -1.0)], 0.0, 0.0)
-            for p in self.options:
-                terms = [(grid[k, p], 1.0) for k in range(len(xs))]
-                m.row(terms + [(self.z[block][p], -1.0)], 0.0, 0.0)
+            grid = self._u[key] = self.p.m.product(self.p.xvars[rep], self.z[block])
         return grid[s, policy]
 
     # ------------------------------------------------------------------ objective
@@ -111,10 +105,6 @@ class RecomputeChoices:
         if not self.active:
             return
         prog, m = self.p, self.p.m
-        scaled = {
-            y: c * ((1.0 - prog.eta) if y in prog.overlapped else 1.0)
-            for _members, y, c in prog.edge_vars
-        }
         for p in self.options:
             nodes = dict.fromkeys(n for n, _idx in self.recomputed[p])
             for node in nodes:
@@ -127,13 +117,13 @@ class RecomputeChoices:
                     c = prog.solver.compute_cost(rep, s) * k
                     if c:
                         m.cost[self.column(b, node, s, p)] += c
-            self._add_comm(p, set(nodes), scaled)
+            self._add_comm(p, set(nodes))
 
-    def _add_comm(self, policy: str, recomputed: set, scaled: dict) -> None:
+    def _add_comm(self, policy: str, recomputed: set) -> None:
         m = self.p.m
         per_block: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         for b, y in self._recomputed_edges(recomputed):
-            per_block[b][y] += scaled[y] * self.count(b, policy)
+            per_block[b][y] += self.p.scaled_comm(y) * self.count(b, policy)
         if self.auto:  # see the module docstring
             return
         for coef in per_block.values():
@@ -177,10 +167,6 @@ class RecomputeChoices:
         """Predicted recompute time of a solved plan, as the objective prices it: FLOP time
         of every recomputed node plus the redistributions into them."""
         prog = self.p
-        scaled = {
-            y: c * ((1.0 - prog.eta) if y in prog.overlapped else 1.0)
-            for _members, y, c in prog.edge_vars
-        }
         total = 0.0
         for p in self.options:
             if p == "none":
@@ -191,5 +177,5 @@ class RecomputeChoices:
                 total += prog.solver.compute_cost(prog.rep[n], choice[n]) * k
             for b, y in self._recomputed_edges(set(nodes)):
                 if values[y] > 0.5:
-                    total += scaled[y] * counts.get(b, {}).get(p, 0)
+                    total += prog.scaled_comm(y) * counts.get(b, {}).get(p, 0)
         return total

@@ -84,12 +84,18 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
             "overlappable_comm_us": sol.overlappable_comm_us,
             "exposed_comm_us": sol.exposed_comm_us,
             "recompute_us": sol.recompute_us,
+            "regather_us": sol.regather_us,
             "step_us": sol.compute_us + sol.recompute_us + sol.exposed_comm_us,
             "fwd_comm_us": fwd_comm,
             "bwd_comm_us": bwd_comm,
             "param_fraction": (local / total) if total else 1.0,
             **plan_memory(
-                tg, table, sol.choice, regathered=autop.solver.regathered, counts=sol.recompute
+                tg,
+                table,
+                sol.choice,
+                regather=autop.solver.regather,
+                counts=sol.recompute,
+                regathered=sol.regathered,
             ),
         },
         solver={
@@ -104,6 +110,7 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
         graph_fingerprint=graph_fingerprint(tg.gm),
         blocks=[b.to_json() for b in autop.blocks] if tg.shallow else [],
         recompute=autop.recompute_policies(sol.recompute),
+        regathered=autop.solver.regather.model_units(sol.regathered),
     )
 
 

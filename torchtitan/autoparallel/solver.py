@@ -41,6 +41,8 @@ from .edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError
 from .memory import chain_up, copy_fraction, memory_rows, param_chains, term_fraction
 from .recompute_program import RecomputeChoices
+from .regather import Regather
+from .regather_program import RegatherChoices
 from .strategies import StrategyTable, resolve_source
 from .trace import TracedGraph
 
@@ -111,6 +113,8 @@ class Solution:
     # traced block label -> {policy: how many of the blocks it stands for follow it}
     recompute: dict[str, dict[str, int]] = field(default_factory=dict)
     recompute_us: float = 0.0  # recomputed compute and communication in the backward
+    regathered: frozenset[str] = frozenset()  # traced parameters gathered again (regather.py)
+    regather_us: float = 0.0  # the backward's gathering again (in comm_us too)
     build_s: float = 0.0  # building the program
     solve_s: float = 0.0  # HiGHS
 
@@ -164,6 +168,17 @@ class _Model:
         """Exactly one of the binary columns `cols` is 1 (a row, remembered for rounding)."""
         self.groups.append(cols)
         self.row([(c, 1.0) for c in cols], 1.0, 1.0)
+
+    def product(self, cols: list[int], choice: dict) -> dict[tuple[int, object], int]:
+        """Columns p[i, k] equal to cols[i] * choice[k] at 0/1 values, for columns `cols`
+        summing to 1 (a node's x, an edge's y) and a one-hot `choice`: sum_k p[i, k] =
+        cols[i] and sum_i p[i, k] = choice[k], tight like an edge's rows."""
+        grid = {(i, k): self.var(0.0) for i in range(len(cols)) for k in choice}
+        for i, c in enumerate(cols):
+            self.row([(grid[i, k], 1.0) for k in choice] + [(c, -1.0)], 0.0, 0.0)
+        for k, z in choice.items():
+            self.row([(grid[i, k], 1.0) for i in range(len(cols))] + [(z, -1.0)], 0.0, 0.0)
+        return grid
 
     def _lp(self, keep: np.ndarray | None = None) -> "highspy.HighsLp":
         """The program as HiGHS reads it; with `keep` (sorted column indices) only those
@@ -352,8 +367,8 @@ class PlacementSolver:
     """Builds and solves the 0/1 program for one traced graph, strategy table and cost model.
 
     `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
-    casts); `regathered`: parameters the executor gathers again in the backward (memory.py);
-    `recompute`: "auto" (the solver chooses each repeated block's activation recompute
+    casts); `regather`: which parameters the backward gathers again, or leaves to the solver
+    (regather.py); `recompute`: "auto" (the solver chooses each repeated block's activation recompute
     policy), one policy for all, or pinned per traced block (recompute_program.py).
     """
 
@@ -363,7 +378,7 @@ class PlacementSolver:
         table: StrategyTable,
         est: Estimator,
         no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
-        regathered: frozenset[str] = frozenset(),
+        regather: Regather = Regather(),
         recompute: str | dict[str, dict[str, int]] = "none",
     ):
         self.tg = tg
@@ -372,7 +387,7 @@ class PlacementSolver:
         self.est = est
         self.mesh_shape = table.mesh_shape
         self.no_comm_edges = frozenset(no_comm_edges)
-        self.regathered = frozenset(regathered)
+        self.regather = regather
         self._compute: dict[tuple[fx.Node, int], float] = {}
         self._param_side: set | None = None
         self._pair_memo: dict = {}
@@ -492,10 +507,12 @@ class PlacementSolver:
         program = _Program(self, rep)
         program.add_placement_choices()
         program.recompute.add_choices()
+        program.regather.add_choices()
         program.add_edges()
         program.add_output_sinks()
         program.add_gradient_sinks()
         program.recompute.add_costs()
+        program.regather.add_costs()
         for c in constraints:
             if isinstance(c, (Pin, OutputPin)):
                 program.add_pin(c)
@@ -567,11 +584,19 @@ class _Program:
         self.xvars: dict[fx.Node, list[int]] = {}
         self.edge_vars: list[tuple[list[EdgeKey], int, float]] = []  # (members, y, cost each)
         self.edge_pair_vars: dict[EdgeKey, list] = {}  # member -> [(y, emitted, required)]
+        self.pair_cost: dict[int, float] = {}  # y -> redistribution time of one instance
         self.overlapped: set[int] = set()
         self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
         self.sink_vars: dict[int, dict[P.Placements, int]] = {}
         self.grad_vars: dict[str, dict[P.Placements, int]] = {}
         self.recompute = RecomputeChoices(self, solver.recompute)
+        self.regather = RegatherChoices(self, solver.regather)
+
+    def scaled_comm(self, y: int) -> float:
+        """Redistribution time of pair y as the objective counts it (the part not hidden
+        behind compute where overlappable)."""
+        c = self.pair_cost[y]
+        return c * (1.0 - self.eta) if y in self.overlapped else c
 
     def member_weight(self, key: EdgeKey) -> int:
         if isinstance(key, GradEdge):
@@ -637,6 +662,7 @@ class _Program:
             self.overlapped.update(ys)
         for y, (o, r, c) in zip(ys, pairs):
             self.edge_vars.append((members, y, c))
+            self.pair_cost[y] = c
             pair_vars.append((y, o, r))
             rows_o[o].append((y, 1.0))
             rows_r[r].append((y, 1.0))
@@ -771,11 +797,16 @@ class _Program:
         table, rc = self.table, self.recompute
         options = rc.options if rc.active else ("none",)
         out = []
-        for row in memory_rows(self.tg, table, options, self.solver.regathered):
+        for row in memory_rows(self.tg, table, options, self.solver.regather):
             terms: list[tuple[int, float]] = []
             copies: set = set()
             for e in row.entries:
                 t = e.term
+                if self.regather.decides(e):
+                    if t.kind != "copy" or (t.key, e.regathered) not in copies:
+                        copies.add((t.key, e.regathered))
+                        self.regather.add_entry(e, e.weight / scale, terms)
+                    continue
                 if t.kind == "copy":
                     if t.key in copies:
                         continue
@@ -825,6 +856,10 @@ class _Program:
                 comm += c * count
                 if v in self.overlapped:
                     overlapped += c * count
+        regathered = self.regather.regathered(values)
+        regather_us = self.regather.regather_us(values, regathered)
+        comm += regather_us
+        overlapped += regather_us
         exposed = (comm - overlapped) + (1.0 - self.eta) * overlapped
         counts = self.recompute.counts(values)
         hubs = {
@@ -850,6 +885,8 @@ class _Program:
             hubs=hubs,
             recompute=counts,
             recompute_us=self.recompute.recompute_us(values, choice, counts),
+            regathered=regathered,
+            regather_us=regather_us,
         )
 
 
