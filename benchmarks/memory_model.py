@@ -163,7 +163,11 @@ def _untracked_tensor_bytes(tracker: LiveTensorBytes) -> int:
 
 # one configuration on this rank
 def run_config(
-    mesh_name: str, opts: argparse.Namespace, recompute: str = "none", budget: float | None = None
+    mesh_name: str,
+    opts: argparse.Namespace,
+    recompute: str = "none",
+    budget: float | None = None,
+    reshard: str = "always",
 ) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -172,6 +176,7 @@ def run_config(
 
     from torchtitan.autoparallel import AutoParallel
     from torchtitan.autoparallel.recompute import describe_policies
+    from torchtitan.autoparallel.regather import describe_units
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.distributed.utils import clip_grad_norm_
@@ -203,6 +208,7 @@ def run_config(
         mesh,
         cost_model="cpu",
         recompute=recompute,
+        reshard_after_forward=reshard,
     ) as autop:
         autop.add_parameter_memory_constraint()  # 1/world, as the trainer does
         if budget is not None:
@@ -275,7 +281,9 @@ def run_config(
     return {
         "mesh": mesh_name,
         "recompute": recompute,
+        "reshard": reshard,
         "policies": describe_policies(plan.recompute) if plan.recompute else "none",
+        "regathered": describe_units(plan.regathered or {}),
         "budget": budget,
         "rank": dist.get_rank(),
         "plan_s": plan_s,
@@ -300,13 +308,19 @@ def run_config(
 
 
 def auto_budget(opts: argparse.Namespace, peaks: dict[str, float]) -> float:
-    """The budget of a solver-chosen recompute run: `--budget-mib`, else halfway between this
-    mesh's predicted peaks without and with full recomputation (run before it)."""
+    """The budget of a run in which the solver chooses (recompute or reshard "auto"):
+    `--budget-mib`, else halfway between the smallest and the largest predicted peak of the
+    settings run before it on this mesh (e.g. none and full recomputation)."""
     if opts.budget_mib is not None:
         return opts.budget_mib * MiB
-    if "none" not in peaks or "full" not in peaks:
-        raise SystemExit("--recompute auto needs --budget-mib, or none and full before it")
-    return (peaks["none"] + peaks["full"]) / 2
+    if len(peaks) < 2:
+        raise SystemExit("an auto setting needs --budget-mib, or two settings before it")
+    return (min(peaks.values()) + max(peaks.values())) / 2
+
+
+def settings(opts: argparse.Namespace) -> list[tuple[str, str]]:
+    """(reshard after forward, recompute) of every run on one mesh, in order."""
+    return [(r, c) for r in opts.reshard.split(",") for c in opts.recompute.split(",")]
 
 
 def worker(opts: argparse.Namespace) -> None:
@@ -321,12 +335,13 @@ def worker(opts: argparse.Namespace) -> None:
     }
     try:
         for name in opts.meshes.split(","):
-            peaks: dict[str, float] = {}  # this mesh's predicted peak per recompute setting
-            for recompute in opts.recompute.split(","):
+            peaks: dict[str, float] = {}  # this mesh's predicted peak per setting
+            for reshard, recompute in settings(opts):
                 t0 = time.perf_counter()
-                budget = auto_budget(opts, peaks) if recompute == "auto" else None
-                res = run_config(name, opts, recompute, budget)
-                peaks[recompute] = res["predicted"]["peak_bytes_per_rank"]
+                auto = "auto" in (recompute, reshard)
+                budget = auto_budget(opts, peaks) if auto else None
+                res = run_config(name, opts, recompute, budget, reshard)
+                peaks[f"{recompute}/{reshard}"] = res["predicted"]["peak_bytes_per_rank"]
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, res)
                 if dist.get_rank() == 0:
@@ -335,13 +350,17 @@ def worker(opts: argparse.Namespace) -> None:
                         {
                             "mesh": name,
                             "recompute": recompute,
+                            "reshard": reshard,
                             "budget": budget,
                             "ranks": gathered,
                             "wall_s": wall,
                             "setup": setup,
                         }
                     )
-                    print(f"[memory_model] {name} {recompute} done in {wall:.1f}s", flush=True)
+                    print(
+                        f"[memory_model] {name} {recompute} {reshard} done in {wall:.1f}s",
+                        flush=True,
+                    )
         if dist.get_rank() == 0:
             tmp = Path(opts.out + ".tmp")
             tmp.write_text(json.dumps(results, indent=1))
@@ -366,6 +385,7 @@ def launch(
     measure_step: int = 3,
     no_loss_parallel: bool = False,
     recompute: str = "none",
+    reshard: str = "always",
     budget_mib: float | None = None,
     timeout: float = 900,
     workdir: str | Path,
@@ -406,6 +426,8 @@ def launch(
         str(measure_step),
         "--recompute",
         recompute,
+        "--reshard",
+        reshard,
     ]
     if no_loss_parallel:
         cmd.append("--no-loss-parallel")
@@ -451,12 +473,14 @@ def format_result(res: dict) -> str:
     mesh_shape, mesh_names = MESHES[res["mesh"]]
     budget = res.get("budget")
     lines = [
-        f"### {res['mesh']}, recompute {res.get('recompute', 'none')}: mesh "
+        f"### {res['mesh']}, recompute {res.get('recompute', 'none')}, reshard after forward "
+        f"{res.get('reshard', 'always')}: mesh "
         f"{'x'.join(map(str, mesh_shape))} ({','.join(mesh_names)}), "
         f"local batch {s['local_batch']}, seq {s['seq_len']}, {s['layers']} layers, "
         f"measured step {s['measure_step']} of {s['steps']}",
         "",
-        f"recompute per block: {ranks[0].get('policies', 'none')}"
+        f"recompute per block: {ranks[0].get('policies', 'none')}; gathered parameters: "
+        f"{ranks[0].get('regathered', '-')}"
         + (
             f"; budget {budget / MiB:.2f} MiB, measured peak "
             f"{'under' if under_budget(res) else 'OVER'} it on every rank"
@@ -499,7 +523,8 @@ def format_result(res: dict) -> str:
         f"tool checks (bytes, max over ranks): alive after the step beyond its start "
         f"{max(x['measured']['left_after_step'] for x in ranks)}; tensors alive at the start "
         f"the tracker does not know {max(x['measured']['untracked_at_start'] for x in ranks)}",
-        f"**{res['mesh']} {res.get('recompute', 'none')}: measured/predicted = "
+        f"**{res['mesh']} {res.get('recompute', 'none')} {res.get('reshard', 'always')}: "
+        f"measured/predicted = "
         f"{ratio(peak):.2f} (per rank "
         f"{', '.join(f'{ratio(x):.2f}' for x in ranks)}) -> {verdict} {TOLERANCE:.0%}**",
     ]
@@ -523,7 +548,15 @@ def main() -> int:
         "--recompute",
         default="none",
         help="comma-separated recompute settings per mesh: none, selective, full, auto "
-        "(auto: the solver chooses under --budget-mib, default halfway between none and full)",
+        "(auto: the solver chooses under --budget-mib, default halfway between the "
+        "settings before)",
+    )
+    ap.add_argument(
+        "--reshard",
+        default="always",
+        help="comma-separated reshard-after-forward settings, each run with every --recompute "
+        "setting: always, never, default, auto (auto: the solver keeps or gathers again per "
+        "unit under the budget)",
     )
     ap.add_argument("--budget-mib", type=float, help="memory budget per rank of the auto runs")
     ap.add_argument("--json", help="also write the raw per-rank results here")
@@ -551,6 +584,7 @@ def main() -> int:
             measure_step=opts.measure_step,
             no_loss_parallel=opts.no_loss_parallel,
             recompute=opts.recompute,
+            reshard=opts.reshard,
             budget_mib=opts.budget_mib,
             timeout=opts.timeout,
             workdir=tmp,

@@ -216,6 +216,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
         cost_model="h100",
         mp_policy=mp,
         executor=EXECUTOR,
+        # recomputing blocks also keep (root, last unit) or gather again (the rest)
+        reshard_after_forward="default" if recompute else True,
     ) as autop:
         if recompute:
             autop.set_recompute(mixed_recompute(autop.blocks))
@@ -324,14 +326,22 @@ def run_one(model_name, mesh_name, world, bf16=False):
 def check_recomputes(model_name, mesh_name, pm, plan) -> None:
     """The executor ran the plan's policies: a fully recomputed block keeps at most its output
     for the backward, a selective one its matmul/attention outputs and its output."""
+    from torchtitan.autoparallel.buckets import AG, unit_of
+    from torchtitan.autoparallel.graph_nodes import param_side
     from torchtitan.autoparallel.recompute import block_label, kept_by_selective
 
     runner = pm._ap_runner
     (lp,) = runner._lowered.values()
-    outs = next(n for n in lp.partition.fwd.graph.nodes if n.op == "output").args[0]
+    part = lp.partition
+    fwd_phs = [n for n in part.fwd.graph.nodes if n.op == "placeholder"]
+    # kept gathered parameters are the re-gather decision's, not the policy's
+    param_valued = param_side(
+        part.fwd.graph.nodes, {n for n, f in zip(fwd_phs, part.fwd_names) if f is not None}
+    )
+    outs = next(n for n in part.fwd.graph.nodes if n.op == "output").args[0]
     kept: dict[str, list] = {}
     for n in outs[lp.n_out :]:
-        if block_label(n) is not None:
+        if block_label(n) is not None and n not in param_valued:
             kept.setdefault(block_label(n), []).append(n)
     policies = {b: p for b, p in plan.recompute.items() if p != "none"}
     bad = [b for b, p in policies.items() if p == "full" and len(kept.get(b, [])) > 1]
@@ -345,6 +355,32 @@ def check_recomputes(model_name, mesh_name, pm, plan) -> None:
         runner.recompute == policies and policies and not bad,
         f"kept by {bad[:2]}: {[[n.name for n in kept.get(b, [])] for b in bad[:2]]}",
     )
+    # the backward gathers again only the parameters of the units the plan says
+    bwd_phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
+    names = {n: f for n, f in zip(bwd_phs, part.saved_names) if f is not None}
+    side = param_side(part.bwd.graph.nodes, set(names))
+    gathered = {
+        unit_of(names[p], runner.units)
+        for ag in part.bwd.graph.nodes
+        if ag.target is AG and ag in side
+        for p in _placeholders_above(ag, names)
+    }
+    again = {u for u, yes in plan.regathered.items() if yes}
+    check(
+        f"{model_name}/{mesh_name} gathers again {len(again)} of {len(plan.regathered)} units",
+        gathered <= again and (gathered or mesh_name == "tp4"),
+        f"backward gathers of {sorted(gathered - again)} (kept); gathered again: {sorted(again)}",
+    )
+
+
+def _placeholders_above(node, names: dict) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return {n for n in seen if n in names}
 
 
 def check_attention_rules(mesh_name: str) -> None:

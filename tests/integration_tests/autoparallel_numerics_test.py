@@ -86,14 +86,17 @@ def test_llama_all_meshes_match_single_process():
 
 def test_recomputed_blocks_match_single_process():
     """Blocks that recompute fully, selectively and not at all, in turn (4-layer Llama,
-    5-block MLP from a shallow trace): every gradient at 5 steps on dp4, tp4, dp2xtp2, and
-    the lowered forward keeps only what each block's policy keeps."""
+    5-block MLP from a shallow trace), the root and last unit keeping their gathered
+    parameters and the others gathering them again: every gradient at 5 steps on dp4, tp4,
+    dp2xtp2; the lowered forward keeps only what each block's policy keeps, and the backward
+    gathers again only the units the plan says."""
     checks = _torchrun("llama+recompute,mlp+recompute", "dp4,tp4,dp2tp2")
     for model in ("llama+recompute", "mlp+recompute"):
-        assert checks.count(f"{model}/") == 3 * (CHECKS + 1), model
+        assert checks.count(f"{model}/") == 3 * (CHECKS + 2), model
         assert f"{model}/dp2tp2 grads x5" in checks
     assert "llama+recompute/tp4 recomputes 3 blocks" in checks
     assert "mlp+recompute/dp4 recomputes 4 blocks" in checks
+    assert "llama+recompute/dp4 gathers again 4 of 5 units" in checks
 
 
 def test_mlp_gpt2_tied_mixer_indexing_elementwise_on_all_meshes():

@@ -190,3 +190,6 @@ def test_hand_written_llama3_refuses_auto():
     cfg = job("--activation_checkpoint.mode", "auto", model="llama3")
     with pytest.raises(UserInputError, match="mode auto: only the auto-parallel models"):
         parallelize_llama(None, SimpleNamespace(tp_enabled=False), cfg)
+    cfg = job("--parallelism.fsdp_reshard_after_forward", "auto", model="llama3")
+    with pytest.raises(UserInputError, match="reshard_after_forward auto: only the auto-parallel"):
+        parallelize_llama(None, SimpleNamespace(tp_enabled=False), cfg)

@@ -119,8 +119,8 @@ class AutoParallel:
     backward instead of keeping them (regather.py): True/"always", False/"never",
     torchtitan's "default" (all but the root and the last unit), or "auto": the solver
     decides per unit, pricing the backward's gathers against the memory kept (under
-    `add_memory_constraint`; without a budget keeping is free); `bucket` merges each unit's parameter gathers and gradient reductions
-    (buckets.py).
+    `add_memory_constraint`; without a budget keeping is free); `bucket` merges each unit's
+    parameter gathers and gradient reductions (buckets.py).
 
     `recompute`: what each repeated block recomputes in the backward instead of keeping it
     (recompute.py): "none", "selective" or "full" for every block; a dict from block label

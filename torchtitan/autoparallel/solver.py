@@ -368,8 +368,8 @@ class PlacementSolver:
 
     `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
     casts); `regather`: which parameters the backward gathers again, or leaves to the solver
-    (regather.py); `recompute`: "auto" (the solver chooses each repeated block's activation recompute
-    policy), one policy for all, or pinned per traced block (recompute_program.py).
+    (regather.py); `recompute`: "auto" (the solver chooses each repeated block's activation
+    recompute policy), one policy for all, or pinned per traced block (recompute_program.py).
     """
 
     def __init__(

@@ -157,9 +157,11 @@ class Parallelism:
     pure data-parallel mesh gives (global_batch_size, or local_batch_size x world size) and
     local_batch_size becomes its share per data-parallel rank."""
 
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "default"
     """Free gathered parameters after forward: always (saves memory), never (saves an
-    all-gather in backward), or default (always, except for the last block)."""
+    all-gather in backward), default (always, except for the last block), or auto (the
+    auto-parallel planner keeps or gathers again per block, under the memory budget:
+    --autoparallel.memory_budget_gib)."""
 
     disable_loss_parallel: bool = False
     """With TP, compute the loss on the full (gathered) logits instead of sharded logits."""

@@ -26,8 +26,10 @@ class AutoParallelConfig:
     """Bytes per rank a plan must fit, in GiB, as the planner's memory model counts them
     (parameters, gradients, optimizer state, saved activations, the largest block's
     recomputation); with `--activation_checkpoint.mode auto` the planner recomputes blocks
-    to fit it.  none: no such bound (only the FSDP-like parameter budget, 1/world of the
-    parameters per rank), except with mode auto on a GPU: its memory less 10%."""
+    to fit it, with `--parallelism.fsdp_reshard_after_forward auto` it gathers parameters
+    again in the backward of the blocks it chooses.  none: no such bound (only the FSDP-like
+    parameter budget, 1/world of the parameters per rank), except with either auto on a
+    GPU: its memory less 10%."""
 
     solver_time_limit_seconds: float = 300.0
     """Stop the solver after this long and take the best plan found so far (the log says

@@ -149,12 +149,17 @@ GPU_MEMORY_MARGIN = 0.1
 
 
 def memory_budget_bytes(job_config: Any) -> float | None:
-    """`--autoparallel.memory_budget_gib`; unset: with `--activation_checkpoint.mode auto` on
-    a GPU its memory less `GPU_MEMORY_MARGIN`, else no budget."""
+    """`--autoparallel.memory_budget_gib`; unset: with `--activation_checkpoint.mode auto` or
+    `--parallelism.fsdp_reshard_after_forward auto` on a GPU its memory less
+    `GPU_MEMORY_MARGIN`, else no budget."""
     gib = planner_settings(job_config).memory_budget_gib
     if gib is not None:
         return gib * 2**30
-    if job_config.activation_checkpoint.mode == "auto" and device_type() == "cuda":
+    chooses = "auto" in (
+        job_config.activation_checkpoint.mode,
+        job_config.parallelism.fsdp_reshard_after_forward,
+    )
+    if chooses and device_type() == "cuda":
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return total * (1.0 - GPU_MEMORY_MARGIN)
     return None

@@ -52,6 +52,12 @@ def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_co
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
     training = job_config.training
+    if job_config.parallelism.fsdp_reshard_after_forward == "auto":
+        raise UserInputError(
+            "--parallelism.fsdp_reshard_after_forward auto: only the auto-parallel models "
+            "(llama3_auto_parallel, hf_auto_parallel) choose what to gather again; use "
+            "default, always or never"
+        )
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"], parallel_dims.loss_parallel_enabled)
     if job_config.activation_checkpoint.mode == "auto":
