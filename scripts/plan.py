@@ -10,8 +10,10 @@ collapsed), the predicted step time (compute / exposed communication) and memory
 and the same figures for torchtitan's hand-written plans on that mesh, priced by the same cost
 model: every parameter is pinned to the hand-written placement and the solver prices (and
 chooses) the rest of the graph; each is priced without activation checkpointing, with full AC
-and with selective AC (`+ SAC`: matmul and attention outputs kept).  The automatic plan
-chooses its own recomputation per block under the memory budget (`--recompute auto`).
+and with selective AC (`+ SAC`: matmul and attention outputs kept), and with torchtitan's
+reshard after forward (every block but the last gathers its parameters again).  The
+automatic plan chooses its own recomputation per block (`--recompute auto`) and which
+blocks gather again (`--reshard auto`) under the memory budget.
 Writes `plan.json` and `plan.html` (which tensor dim is split on which mesh dim, parameter by
 parameter, layer by layer) into `--out-dir`.
 
@@ -91,6 +93,15 @@ def parse_args(argv=None):
         help="activation recomputation of the automatic plan: one policy for every block, or "
         "auto (the solver chooses per block under the memory budget); hand-written plans "
         "are priced with none, full and selective",
+    )
+    ap.add_argument(
+        "--reshard",
+        choices=("always", "never", "default", "auto"),
+        default="auto",
+        help="which units of the automatic plan gather their parameters again in the "
+        "backward: all, none, torchtitan's default (all but the root and the last block), "
+        "or auto (the solver decides per unit under the memory budget); hand-written plans "
+        "are priced with default",
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
@@ -235,6 +246,7 @@ def run(a) -> int:
         pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(names)))
         autop.clear_constraints()
         autop.set_recompute(recompute or a.recompute)
+        autop.set_reshard_after_forward(a.reshard if param_pins is None else "default")
         autop.add_input_constraints([pin])
         autop.add_output_constraints([pin])
         if param_pins is None:

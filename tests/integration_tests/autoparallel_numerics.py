@@ -368,7 +368,7 @@ def check_recomputes(model_name, mesh_name, pm, plan) -> None:
     again = {u for u, yes in plan.regathered.items() if yes}
     check(
         f"{model_name}/{mesh_name} gathers again {len(again)} of {len(plan.regathered)} units",
-        gathered <= again and (gathered or mesh_name == "tp4"),
+        gathered <= again and bool(gathered or mesh_name == "tp4"),
         f"backward gathers of {sorted(gathered - again)} (kept); gathered again: {sorted(again)}",
     )
 

@@ -262,12 +262,7 @@ class AutoParallel:
             self.table,
             self.estimator,
             no_comm_edges=cast_edges(self.tg, self.table) if self.param_dtype is not None else (),
-            regather=regather_setting(
-                self.reshard_after_forward,
-                list(self.param_shapes()),
-                fsdp_units(self.model),
-                self._traced_name,
-            ),
+            regather=self._regather_setting(),
             recompute=self._recompute_setting(),
         )
         t = time.perf_counter()
@@ -275,6 +270,21 @@ class AutoParallel:
         self._cluster()
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)
+
+    def set_reshard_after_forward(self, policy: bool | str) -> None:
+        """Change the `reshard_after_forward` setting (see the class docstring) before
+        solving."""
+        self.reshard_after_forward = check_reshard_policy(policy)
+        if self.table is not None:
+            self.solver.regather = self._regather_setting()
+
+    def _regather_setting(self):
+        return regather_setting(
+            self.reshard_after_forward,
+            list(self.param_shapes()),
+            fsdp_units(self.model),
+            self._traced_name,
+        )
 
     def set_recompute(self, recompute: str | dict[str, str]) -> None:
         """Change the `recompute` setting (see the class docstring) before solving; a dict

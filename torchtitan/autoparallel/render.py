@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .plan import Plan, name_pattern
 from .recompute import describe_policies
+from .regather import describe_units
 
 
 def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
@@ -52,7 +53,8 @@ def gib(x: float) -> str:
 
 def summary_line(label: str, plan: Plan) -> str:
     """One line: predicted step = compute + recompute + exposed communication, the
-    recompute policies, and the predicted peak memory per rank with its parts."""
+    recompute policies, which units keep their gathered parameters and which gather them
+    again, and the predicted peak memory per rank with its parts."""
     p = plan.predicted
     comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
     rec = p.get("recompute_us", 0.0)
@@ -75,9 +77,12 @@ def summary_line(label: str, plan: Plan) -> str:
         if any(v != "none" for v in plan.recompute.values())
         else ""
     )
+    gathers = (
+        f" | gathered parameters: {describe_units(plan.regathered)}" if plan.regathered else ""
+    )
     return (
         f"{label:<14} step {(comp + rec + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms"
-        f"{rec_s} + exposed comm {comm / 1e3:9.2f} ms{policies}{mem_s}"
+        f"{rec_s} + exposed comm {comm / 1e3:9.2f} ms{policies}{gathers}{mem_s}"
     )
 
 
