@@ -1,13 +1,15 @@
-"""Memory-aware plans at scale: the automatic plan (sharding and per-block recomputation chosen
-together under the memory budget) against torchtitan's hand-written plans priced with no,
-full and selective activation checkpointing.
+"""Memory-aware plans at scale: the automatic plan (sharding, per-block recomputation and which
+blocks gather their parameters again, chosen together under the memory budget) against
+torchtitan's hand-written plans priced with no, full and selective activation checkpointing
+(each with torchtitan's default reshard after forward and without resharding).
 
     python benchmarks/recompute_plans.py [--configs 8B:8:24 70B:32,8:40 405B:64,8:80 ...]
 
 A config is FLAVOR:MESH:GiB[:BATCH] (mesh dims dp or dp,tp; batch default: the dp size).
 Each runs `scripts/plan.py` in its own process (fake process group, model on meta, H100
-profile, seq 2048, bf16 mixed precision, `--recompute auto`) and prints one markdown row:
-the automatic plan's predicted step, recomputation per block and peak memory per rank, the
+profile, seq 2048, bf16 mixed precision, `--recompute auto --reshard auto`) and prints one
+markdown row: the automatic plan's predicted step, recomputation per block, the units that
+gather again and keep, and peak memory per rank, the
 best hand-written plan that fits the budget, and their ratio.  Every hand-written variant is
 listed with its step and peak (those over the budget marked).  Table:
 `benchmarks/planner.md`, section "Memory-aware plans".
@@ -35,6 +37,7 @@ def run(config: str) -> str:
     if "error" in out:
         return f"| {config} | error: {out['error']} |"
     from torchtitan.autoparallel.recompute import describe_policies
+    from torchtitan.autoparallel.regather import describe_units
 
     summary, plan = out["summary"], out["plan"]
     pred = summary["predicted"]
@@ -45,6 +48,7 @@ def run(config: str) -> str:
     best = min(fits, key=lambda k: fits[k]["step_us"]) if fits else None
     policies = plan.get("recompute") or {}
     rec = describe_policies(policies) if any(p != "none" for p in policies.values()) else "none"
+    gathers = describe_units(plan.get("regathered") or {})
     ms = lambda p: f"{p['step_us'] / 1e3:.1f}"  # noqa: E731
     peak = lambda p: f"{p['peak_bytes_per_rank'] / 2**30:.1f}"  # noqa: E731
     others = "; ".join(
@@ -53,7 +57,7 @@ def run(config: str) -> str:
     )
     ratio = f"{auto['step_us'] / fits[best]['step_us']:.3f}" if best else "-"
     return (
-        f"| {flavor} | {mesh} | {summary['batch']} | {gib:g} | {ms(auto)} | {rec} | "
+        f"| {flavor} | {mesh} | {summary['batch']} | {gib:g} | {ms(auto)} | {rec} | {gathers} | "
         f"{peak(auto)} | {best or 'none fits'}"
         + (f" {ms(fits[best])}" if best else "")
         + f" | **{ratio}** | {summary['plan_s']:.1f} | {others} |"
@@ -65,11 +69,12 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=DEFAULT)
     opts = ap.parse_args()
     print(
-        "| model | mesh | batch | budget GiB | auto step ms | auto recompute | auto peak GiB "
+        "| model | mesh | batch | budget GiB | auto step ms | auto recompute "
+        "| auto gathered parameters | auto peak GiB "
         "| best hand-written that fits, step ms | auto / best | plan s | every hand-written "
         "plan: step / peak |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for config in opts.configs:
         print(run(config), flush=True)
     return 0

@@ -10,8 +10,9 @@ collapsed), the predicted step time (compute / exposed communication) and memory
 and the same figures for torchtitan's hand-written plans on that mesh, priced by the same cost
 model: every parameter is pinned to the hand-written placement and the solver prices (and
 chooses) the rest of the graph; each is priced without activation checkpointing, with full AC
-and with selective AC (`+ SAC`: matmul and attention outputs kept), and with torchtitan's
-reshard after forward (every block but the last gathers its parameters again).  The
+and with selective AC (`+ SAC`: matmul and attention outputs kept), each with torchtitan's
+default reshard after forward (every block but the last gathers its parameters again in the
+backward) and without resharding (`no reshard`: every block keeps them).  The
 automatic plan chooses its own recomputation per block (`--recompute auto`) and which
 blocks gather again (`--reshard auto`) under the memory budget.
 Writes `plan.json` and `plan.html` (which tensor dim is split on which mesh dim, parameter by
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -101,7 +103,7 @@ def parse_args(argv=None):
         help="which units of the automatic plan gather their parameters again in the "
         "backward: all, none, torchtitan's default (all but the root and the last block), "
         "or auto (the solver decides per unit under the memory budget); hand-written plans "
-        "are priced with default",
+        "are priced with default and never",
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
@@ -241,12 +243,12 @@ def run(a) -> int:
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-    def constrain(autop, names, param_pins=None, recompute=None):
+    def constrain(autop, names, param_pins=None, recompute=None, reshard=None):
         dp = dp_dim(names)
         pin = tuple(Shard(0) if d == dp else Replicate() for d in range(len(names)))
         autop.clear_constraints()
         autop.set_recompute(recompute or a.recompute)
-        autop.set_reshard_after_forward(a.reshard if param_pins is None else "default")
+        autop.set_reshard_after_forward(reshard or a.reshard)
         autop.add_input_constraints([pin])
         autop.add_output_constraints([pin])
         if param_pins is None:
@@ -305,13 +307,18 @@ def run(a) -> int:
                 baselines.append(("FSDP", fsdp_plan(pshapes, names)))
             if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
+            # torchtitan's reshard after forward policies: "default" and, keeping every
+            # gathered block for the backward, "never"
+            reshards = (("default", ""), ("never", " no reshard"))
             for label, pins in baselines:
                 variants = (("none", ""), ("full", " + full AC"), ("selective", " + SAC"))
                 # activation checkpointing needs a stack of repeated blocks to apply to
-                for policy, suffix in variants if autop.blocks else variants[:1]:
-                    _progress(f"  pricing hand-written {label}{suffix} ...")
-                    constrain(autop, names, pins, policy)
-                    plans[label + suffix] = autop.optimize_placement()
+                for (policy, suffix), (reshard, rs) in itertools.product(
+                    variants if autop.blocks else variants[:1], reshards
+                ):
+                    _progress(f"  pricing hand-written {label}{suffix}{rs} ...")
+                    constrain(autop, names, pins, policy, reshard)
+                    plans[label + suffix + rs] = autop.optimize_placement()
                     _progress(
                         f"  build {autop.timings['build']:.2f}s, solve "
                         f"{autop.timings['solve']:.2f}s"

@@ -16,6 +16,8 @@ pinned.  With choices it would be the product of an edge's redistribution and th
 policy; as big-M rows (v >= comm - M (1 - z)) it left the relaxation so loose that the debug
 Llama's dp2xtp2 program (130k columns) ran into the 300 s limit at a 3% gap, so the choice is
 made on FLOP time and memory, and the plan reports the communication too (`recompute_us`).
+Parameter gathers are not among them: values computed from parameters alone follow the
+unit's keep-or-gather-again decision (regather_program.py), not the policy.
 
 Objective += recompute FLOP time (each recomputed node's compute time, weighted like the
 node).  Memory rows (memory.py, one per candidate peak): a term of block b under policy p
