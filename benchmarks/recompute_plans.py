@@ -48,7 +48,12 @@ def run(config: str) -> str:
     best = min(fits, key=lambda k: fits[k]["step_us"]) if fits else None
     policies = plan.get("recompute") or {}
     rec = describe_policies(policies) if any(p != "none" for p in policies.values()) else "none"
-    gathers = describe_units(plan.get("regathered") or {})
+    made_again = plan.get("regathered") or {}
+    backward = plan.get("backward_gathers") or made_again
+    gathers = describe_units(backward)
+    by_placement = sum(1 for u, yes in backward.items() if yes and not made_again.get(u))
+    if by_placement:
+        gathers += f" ({by_placement} of them from a kept sharded copy)"
     ms = lambda p: f"{p['step_us'] / 1e3:.1f}"  # noqa: E731
     peak = lambda p: f"{p['peak_bytes_per_rank'] / 2**30:.1f}"  # noqa: E731
     others = "; ".join(

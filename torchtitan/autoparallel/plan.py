@@ -51,6 +51,9 @@ class Plan:
     # its parameters again (else it keeps what the forward gathered; regather.py).  None: a
     # plan made before this was a choice (the runner's reshard-after-forward policy decides)
     regathered: dict[str, bool] | None = None
+    # unit -> whether the backward all-gathers its parameters at all: made again as above, or
+    # a kept sharded copy the backward redistributes itself (report.backward_gathers)
+    backward_gathers: dict[str, bool] | None = None
     version: int = 1
 
     # ---------------- serialisation ----------------
@@ -185,12 +188,18 @@ class Plan:
 
 
 def regather_line(plan: "Plan") -> str:
-    """`gathered parameters: layers.0-6 gather again, root and layers.7 keep (+0.12 ms)`."""
+    """`gathered parameters: layers.0-6 gather again (2 of them from a kept sharded copy);
+    root, layers.7 keep (+0.12 ms)`: which units the backward gathers again, those that keep
+    a sharded copy and gather it themselves (report.backward_gathers), and the time the
+    made-again gathers add."""
+    made_again = plan.regathered or {}
+    gathers = plan.backward_gathers or made_again
+    by_placement = [u for u, yes in gathers.items() if yes and not made_again.get(u)]
+    line = f"gathered parameters: {describe_units(gathers)}"
+    if by_placement:
+        line += f" ({len(by_placement)} of them from a kept sharded copy)"
     us = plan.predicted.get("regather_us", 0.0)
-    return (
-        f"gathered parameters: {describe_units(plan.regathered or {})} "
-        f"(backward gathers again +{us / 1e3:.2f} ms)"
-    )
+    return line + (f" (+{us / 1e3:.2f} ms)" if us else "")
 
 
 def memory_line(pred: dict) -> str:

@@ -11,9 +11,8 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
-from .plan import Plan, name_pattern
+from .plan import Plan, name_pattern, regather_line
 from .recompute import describe_policies
-from .regather import describe_units
 
 
 def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
@@ -77,9 +76,7 @@ def summary_line(label: str, plan: Plan) -> str:
         if any(v != "none" for v in plan.recompute.values())
         else ""
     )
-    gathers = (
-        f" | gathered parameters: {describe_units(plan.regathered)}" if plan.regathered else ""
-    )
+    gathers = f" | {regather_line(plan)}" if plan.regathered else ""
     return (
         f"{label:<14} step {(comp + rec + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms"
         f"{rec_s} + exposed comm {comm / 1e3:9.2f} ms{policies}{gathers}{mem_s}"

@@ -111,6 +111,7 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
         blocks=[b.to_json() for b in autop.blocks] if tg.shallow else [],
         recompute=autop.recompute_policies(sol.recompute),
         regathered=autop.solver.regather.model_units(sol.regathered),
+        backward_gathers=autop.solver.regather.model_units(backward_gathers(tg, table, sol)),
     )
 
 
@@ -127,3 +128,18 @@ def param_comm(tg: TracedGraph, table: StrategyTable, sol: Solution) -> dict[str
             if src in owner:
                 out[owner[src]] += us
     return out
+
+
+def backward_gathers(tg: TracedGraph, table: StrategyTable, sol: Solution) -> frozenset[str]:
+    """Traced parameters the plan's backward gathers: those it makes again from the sharded
+    parameters (`sol.regathered`), and those whose kept chain value a backward node reads
+    through a redistribution of its own (a plan may keep a sharded copy and gather it in the
+    backward: gathering again by placement)."""
+    owner = param_chains(tg, table)
+    out = set(sol.regathered)
+    for key, us in sol.edge_comm.items():
+        if isinstance(key, ConsumerEdge) and us > 0 and key.node not in tg.forward_nodes:
+            src = table.nodes[key.node].sources[key.arg][0]
+            if src in owner:  # into the backward from the chain (a backward transpose too)
+                out.add(owner[src])
+    return frozenset(out)
