@@ -1,7 +1,7 @@
 """Memory-aware plans at scale: the automatic plan (sharding, per-block recomputation and which
 blocks gather their parameters again, chosen together under the memory budget) against
 torchtitan's hand-written plans priced with no, full and selective activation checkpointing
-(each with torchtitan's default reshard after forward and without resharding).
+(each with torchtitan's reshard-after-forward policies default, always and never).
 
     python benchmarks/recompute_plans.py [--configs 8B:8:24 70B:32,8:40 405B:64,8:80 ...]
 

@@ -11,8 +11,8 @@ and the same figures for torchtitan's hand-written plans on that mesh, priced by
 model: every parameter is pinned to the hand-written placement and the solver prices (and
 chooses) the rest of the graph; each is priced without activation checkpointing, with full AC
 and with selective AC (`+ SAC`: matmul and attention outputs kept), each with torchtitan's
-default reshard after forward (every block but the last gathers its parameters again in the
-backward) and without resharding (`no reshard`: every block keeps them).  The
+three reshard-after-forward policies: default (every block but the last gathers its
+parameters again in the backward), `reshard always` and `no reshard` (every block keeps them).  The
 automatic plan chooses its own recomputation per block (`--recompute auto`) and which
 blocks gather again (`--reshard auto`) under the memory budget.
 Writes `plan.json` and `plan.html` (which tensor dim is split on which mesh dim, parameter by
@@ -103,7 +103,7 @@ def parse_args(argv=None):
         help="which units of the automatic plan gather their parameters again in the "
         "backward: all, none, torchtitan's default (all but the root and the last block), "
         "or auto (the solver decides per unit under the memory budget); hand-written plans "
-        "are priced with default and never",
+        "are priced with default, always and never",
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
@@ -307,9 +307,8 @@ def run(a) -> int:
                 baselines.append(("FSDP", fsdp_plan(pshapes, names)))
             if len(shape) >= 2 and tp_dim(names) is not None:
                 baselines.append(("FSDP+TP", fsdp_tp_plan(pshapes, names)))
-            # torchtitan's reshard after forward policies: "default" and, keeping every
-            # gathered block for the backward, "never"
-            reshards = (("default", ""), ("never", " no reshard"))
+            # torchtitan's reshard after forward policies
+            reshards = (("default", ""), ("always", " reshard always"), ("never", " no reshard"))
             for label, pins in baselines:
                 variants = (("none", ""), ("full", " + full AC"), ("selective", " + SAC"))
                 # activation checkpointing needs a stack of repeated blocks to apply to
