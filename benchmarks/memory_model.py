@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/memory_model.py [--meshes dp4,tp4,dp2tp2] [--seq-len 256]
         [--local-batch 2] [--layers 6] [--steps 3] [--measure-step 3] [--json out.json]
+        [--recompute none,full,auto] [--reshard always,never,auto] [--budget-mib B]
 
 On 4 CPU ranks (torchrun, gloo), for each mesh: plan the debug Llama 3 as the trainer does (fp32,
 no activation checkpointing, parameter budget 1/world, logits vocabulary-sharded on `tp`), apply
@@ -12,7 +13,9 @@ state + saved activations (`torchtitan/autoparallel/memory.py`).  Prints per mes
 terms next to the measured ones, where the peak happened and what was alive then, and the
 verdict: within 1 +- 20% on every rank; the exit status is non-zero if any mesh misses.  Setup
 and results: `benchmarks/memory_model.md`; `tests/integration_tests/test_memory_model.py` runs one
-mesh through `launch`.
+mesh through `launch`.  Each mesh runs every `--reshard` setting (which units gather their
+parameters again in the backward, regather.py) with every `--recompute` setting; an `auto`
+one plans under `--budget-mib`, default halfway between the peaks of the settings before it.
 """
 
 from __future__ import annotations
