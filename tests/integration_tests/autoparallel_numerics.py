@@ -326,7 +326,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
 def check_recomputes(model_name, mesh_name, pm, plan) -> None:
     """The executor ran the plan's policies: a fully recomputed block keeps at most its output
     for the backward, a selective one its matmul/attention outputs and its output."""
-    from torchtitan.autoparallel.buckets import AG, unit_of
+    from lowered_graphs import backward_gathered_units
+
     from torchtitan.autoparallel.graph_nodes import param_side
     from torchtitan.autoparallel.recompute import block_label, kept_by_selective
 
@@ -356,31 +357,13 @@ def check_recomputes(model_name, mesh_name, pm, plan) -> None:
         f"kept by {bad[:2]}: {[[n.name for n in kept.get(b, [])] for b in bad[:2]]}",
     )
     # the backward gathers again only the parameters of the units the plan says
-    bwd_phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
-    names = {n: f for n, f in zip(bwd_phs, part.saved_names) if f is not None}
-    side = param_side(part.bwd.graph.nodes, set(names))
-    gathered = {
-        unit_of(names[p], runner.units)
-        for ag in part.bwd.graph.nodes
-        if ag.target is AG and ag in side
-        for p in _placeholders_above(ag, names)
-    }
+    gathered = backward_gathered_units(part, runner.units)
     again = {u for u, yes in plan.regathered.items() if yes}
     check(
         f"{model_name}/{mesh_name} gathers again {len(again)} of {len(plan.regathered)} units",
         gathered <= again and bool(gathered or mesh_name == "tp4"),
         f"backward gathers of {sorted(gathered - again)} (kept); gathered again: {sorted(again)}",
     )
-
-
-def _placeholders_above(node, names: dict) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return {n for n in seen if n in names}
 
 
 def check_attention_rules(mesh_name: str) -> None:

@@ -9,12 +9,12 @@ reshard-after-forward decides which units are gathered again in the backward.
 import pytest
 import torch
 from autoparallel_models import MLPStack, TiedLM
+from lowered_graphs import backward_gathered_units, gathered_units, param_gathers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.buckets import AG, RS, WAIT
-from torchtitan.autoparallel.lower import param_side
+from torchtitan.autoparallel.buckets import RS, WAIT
 
 
 @pytest.fixture
@@ -54,32 +54,6 @@ def nodes(gm, target):
     return [n for n in gm.graph.nodes if n.target is target]
 
 
-def param_gathers(part, graph: str):
-    """Gathers computed from parameters alone (the plan may gather activations too)."""
-    gm = getattr(part, graph)
-    names = part.fwd_names if graph == "fwd" else part.saved_names
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    side = param_side(gm.graph.nodes, {n for n, f in zip(phs, names) if f is not None})
-    return [n for n in nodes(gm, AG) if n in side]
-
-
-def gathered_units(part, ag) -> set[str]:
-    """The units (FQN up to the block index) of the parameters a backward gather reads."""
-    phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
-    fqn = dict(zip(phs, part.saved_names))
-    seen, stack, out = set(), [ag], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if fqn.get(n):
-            parts = fqn[n].split(".")
-            out.add(".".join(parts[:2]) if parts[0] == "layers" else "")
-        stack.extend(n.all_input_nodes)
-    return out
-
-
 def test_one_gather_and_one_reduction_per_unit(dp4):
     lp = lowered(dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32))
     part = lp.partition
@@ -93,7 +67,9 @@ def test_one_gather_and_one_reduction_per_unit(dp4):
     assert len(nodes(part.bwd, RS)) < lp.stats["bwd_before"]["reduce_scatter_tensor"]
     assert len(nodes(part.bwd, RS)) <= units
     # reshard_after_forward=True: the backward gathers again, one collective per unit
-    again = [gathered_units(part, ag) for ag in param_gathers(part, "bwd")]
+    again = [
+        gathered_units(part, ag, lp.module._ap_runner.units) for ag in param_gathers(part, "bwd")
+    ]
     assert again and all(len(u) == 1 for u in again), again
     assert len({u for (u,) in again}) == len(again), again
 
@@ -121,9 +97,7 @@ def test_default_policy_keeps_root_and_last_unit_gathered(dp4):
     )
     expected = {"": False, **{f"layers.{i}": i < 4 for i in range(5)}}  # root, last: kept
     assert lp.module._ap_runner.plan.regathered == expected
-    again = set().union(
-        *(gathered_units(lp.partition, ag) for ag in param_gathers(lp.partition, "bwd"))
-    )
+    again = backward_gathered_units(lp.partition, lp.module._ap_runner.units)
     assert again and again <= {u for u, yes in expected.items() if yes}, again
     never = lowered(
         dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward=False

@@ -14,13 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 from autoparallel_models import MLPStack
+from lowered_graphs import backward_gathered_units
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.buckets import AG
 from torchtitan.autoparallel.errors import PlannerError
-from torchtitan.autoparallel.graph_nodes import param_side
 from torchtitan.autoparallel.regather import describe_units
 
 SHAPE = (64, 16, 256)
@@ -52,30 +51,8 @@ def planned(mesh, reshard, budget=None, run=False):
     pm.init_weights()
     pm(torch.randn(SHAPE)[:16]).pow(2).mean().backward()  # lowers (fake collectives)
     (lp,) = pm._ap_runner._lowered.values()
+    lp.units = pm._ap_runner.units
     return plan, lp
-
-
-def backward_gathered_units(lp) -> set[str]:
-    """Units whose parameters the lowered backward all-gathers (from the parameters alone)."""
-    part = lp.partition
-    phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
-    names = {n: f for n, f in zip(phs, part.saved_names) if f is not None}
-    side = param_side(part.bwd.graph.nodes, set(names))
-    out = set()
-    for ag in part.bwd.graph.nodes:
-        if ag.target is not AG or ag not in side:
-            continue
-        seen, stack = set(), [ag]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in names:
-                parts = names[n].split(".")
-                out.add(".".join(parts[:2]) if parts[0] == "layers" else "")
-            stack.extend(n.all_input_nodes)
-    return out
 
 
 def test_pinned_policies_price_both_sides(dp4):
@@ -107,7 +84,7 @@ def test_budget_makes_some_units_gather_again_and_the_backward_does_so(dp4):
     assert again and again != set(UNITS), plan.regathered
     # the interior unit decides for blocks 1-4 alike
     assert len({plan.regathered[f"layers.{i}"] for i in range(1, 5)}) == 1
-    gathered = backward_gathered_units(lp)
+    gathered = backward_gathered_units(lp.partition, lp.units)
     assert gathered and gathered <= again, (gathered, again)
     assert f"gathered parameters: {describe_units(plan.regathered)}" in plan.summary()
 
