@@ -11,7 +11,7 @@ import torch
 from autoparallel_models import MLPStack, TiedLM
 from lowered_graphs import backward_gathered_units, gathered_units, param_gathers
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.buckets import RS, WAIT
@@ -148,3 +148,62 @@ def test_lowering_refuses_a_captured_tensor():
     _check_constants(
         gm, allowed={id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     )  # a true constant of the model
+
+
+def _gradient_chains(part, units):
+    """Unit -> (position of the op each of its gradients' redistribution starts from, the
+    reductions on those redistributions), read off the backward graph."""
+    from torchtitan.autoparallel.buckets import AR, one_source, unit_of
+
+    order = list(part.bwd.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    out = next(n for n in order if n.op == "output")
+    chains: dict[str, tuple[list[int], set]] = {}
+    for g, fqn in zip(out.args[0], part.grad_names):
+        made, reductions = chains.setdefault(unit_of(fqn, units), ([], set()))
+        while (step := one_source(g)) is not None and step[0].op == "call_function":
+            if g.target in (RS, AR):
+                reductions.add(g)
+            g = step[0]
+        made.append(pos[g])
+    return chains, pos
+
+
+def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
+    """On dp x tp a weight gradient can be reduced on both dims (tp first, as a split and
+    re-join around the collective): each unit's reductions are issued before the next unit's
+    gradients are all made, not after the whole backward (which kept every block's unreduced
+    gradients alive)."""
+    import dataclasses
+
+    from torchtitan.models.llama3.args import llama3_configs
+    from torchtitan.models.llama3.model import Transformer
+
+    args = dataclasses.replace(
+        llama3_configs["debugmodel"], n_layers=3, vocab_size=256, max_seq_len=256
+    )
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Transformer(args)
+        with AutoParallel(
+            model, lambda: torch.zeros(4, 256, dtype=torch.long), mesh, cost_model="cpu"
+        ) as autop:
+            autop.add_parameter_memory_constraint()
+            autop.add_input_constraints([(Shard(0), Replicate())])
+            autop.add_output_constraints([(Shard(0), Shard(2))])
+            pm = autop.apply_placement(autop.optimize_placement())
+        pm.to_empty(device="cpu")
+        pm.init_weights()
+        pm(torch.zeros(2, 256, dtype=torch.long)).float().pow(2).mean().backward()
+    (lp,) = pm._ap_runner._lowered.values()
+    chains, pos = _gradient_chains(lp.partition, pm._ap_runner.units)
+    done = sorted(chains, key=lambda u: max(chains[u][0]))  # units in the backward's order
+    assert sum(len(r) for _m, r in chains.values()) >= len(done), "expected reductions"
+    assert any(len({r.args[3] for r in reductions}) == 2 for _m, reductions in chains.values()), (
+        "expected gradients reduced on both mesh dims"
+    )
+    for unit, nxt in zip(done, done[1:]):
+        last_made_next = max(chains[nxt][0])
+        late = [r.name for r in chains[unit][1] if pos[r] > last_made_next]
+        assert not late, f"{unit}'s reductions {late} wait for {nxt}'s gradients"

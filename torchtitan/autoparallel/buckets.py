@@ -22,8 +22,9 @@ collectives are where a rank blocks):
   unit's gathered parameters (one unit ahead, so they overlap that unit's compute), and waited
   for just before their own first consumer;
 * a unit's gradient reductions are issued as soon as its last gradient is computed (a later
-  level as soon as the earlier one is done) and the last level is waited for right after the
-  next unit's is issued (one in flight; the last unit's at the end of the backward);
+  level as soon as the earlier one is done; also a reduction no other one merges with, which
+  the lowering emits after the whole backward) and the last level is waited for right after
+  the next unit's is issued (one in flight; the last unit's at the end of the backward);
 * everything else stays in place; what a moved node needs moves with it (just in time).
 """
 
@@ -118,6 +119,21 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def one_source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The one value `n` is computed from, and the nodes passed on the way: its input when it
+    has one, the value split when it joins pieces of one split (as a redistribution of a
+    dimension other than 0 does); None for anything else."""
+    if n.op != "call_function":
+        return None
+    ins = n.all_input_nodes
+    if len(ins) == 1:
+        return ins[0], [n]
+    sources = {a.args[0] for a in ins if a.target is operator.getitem}
+    if len(sources) == 1 and all(a.target is operator.getitem for a in ins):
+        return next(iter(sources)), [n, *ins]
+    return None
+
+
 def _single_wait(c: fx.Node) -> fx.Node | None:
     users = list(c.users)
     return users[0] if len(users) == 1 and users[0].target is WAIT else None
@@ -161,19 +177,27 @@ class _GraphBuckets:
         return out
 
     def _reductions(self) -> dict[fx.Node, tuple[str, int, bool]]:
-        """Reductions on each gradient's single-input chain -> (parameter FQN, level from
-        the top of the chain, whether it is the chain's last)."""
+        """Reductions on the chain that ends in each gradient -> (parameter FQN, level from
+        the top of the chain, whether it is the chain's last).  The chain is the gradient's
+        redistribution: ops of one input, and the split / re-join of one value around a
+        collective (`one_source`).  The chains that hold a reduction are kept in
+        `self.reduction_chains`: the lowering emits them after the whole backward."""
         out = {}
+        self.reduction_chains: set[fx.Node] = set()
         for o, fqn in self.grads.items():
-            chain, cur = [], o
-            while cur.op == "call_function" and len(cur.all_input_nodes) == 1:
+            chain, links, cur = [], [], o
+            while (step := one_source(cur)) is not None:
+                src, passed = step
+                links.extend(passed)
                 if (
                     cur.target in (RS, AR)
                     and cur not in self.side
                     and _single_wait(cur) is not None
                 ):
                     chain.append(cur)
-                cur = cur.all_input_nodes[0]
+                cur = src
+            if chain:
+                self.reduction_chains.update(links)
             chain.reverse()
             for i, c in enumerate(chain):
                 out[c] = (fqn, i, i == len(chain) - 1)
@@ -307,9 +331,9 @@ class _GraphBuckets:
                 key[n] = anchor[n]
             elif n in side:
                 continue  # below: just in time
-            elif n in self.index:
+            elif n in self.index and n not in self.reduction_chains:
                 key[n] = self.index[n]
-            else:  # made by merging: as soon as its inputs are ready
+            else:  # a gradient's way to its reduction, or made by merging: as soon as ready
                 key[n] = max((key.get(a, -1.0) for a in n.all_input_nodes), default=-1.0) + 1e-3
         issued = sorted(reduction_waits, key=lambda w: key[w.all_input_nodes[0]])
         for w, nxt in zip(issued, issued[1:]):
