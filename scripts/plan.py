@@ -107,6 +107,12 @@ def parse_args(argv=None):
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
+    ap.add_argument(
+        "--proof-limit",
+        type=float,
+        default=15.0,
+        help="seconds to search for a cheaper plan once one near the bound is found",
+    )
     ap.add_argument("--out-dir", default="plan_out")
     ap.add_argument("--apply", action="store_true", help="also time apply_placement (fake mesh)")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -265,6 +271,7 @@ def run(a) -> int:
         mp_policy=mp_policy,
         cost_model=a.device.lower(),
         solver_time_limit=a.time_limit,
+        solver_proof_limit=a.proof_limit,
     ) as root:
         if a.mesh == "auto":
             from torchtitan.autoparallel.mesh_search import search_meshes

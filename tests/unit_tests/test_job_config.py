@@ -337,6 +337,7 @@ def test_an_experiment_section_validates_itself():
         ("cost_model", "tpu9", r"unknown device 'tpu9'; choose auto or one of .*h100"),
         ("memory_budget_gib", "0", r"memory_budget_gib: must be a positive number, got 0\.0"),
         ("solver_time_limit_seconds", "nan", r"must be a positive number, got nan"),
+        ("solver_proof_limit_seconds", "-1", r"proof_limit_seconds: must be a positive number"),
     ]:
         cfg = parse(
             "--job.custom_config_module",

@@ -63,3 +63,25 @@ def test_optimum_matches_brute_force(n_nodes, states, seed):
     assert how != "LP (integral)"  # these relaxations are fractional: the search ran
     if states == 3:  # here duality rules columns out before the final search
         assert how == "reduced-cost fixing + branch and bound"
+
+
+def test_search_from_a_first_plan_is_bounded_by_the_proof_limit(monkeypatch):
+    """Once a plan near the bound exists, the whole program's search gets `proof_limit`
+    seconds (of the solve's time limit); here it still finishes and proves the optimum."""
+    import time
+
+    m, _x, _cost_of, best = _program(5, 3, seed=0)
+    budgets = []
+    search = _Model._branch_and_bound
+
+    def spy(self, upper, start, verbose, rel_gap, t_end):
+        budgets.append((start is not None, t_end - time.perf_counter()))
+        return search(self, upper, start, verbose, rel_gap, t_end)
+
+    monkeypatch.setattr(_Model, "_branch_and_bound", spy)
+    status, values, objective, how, gap = m.solve(time_limit=30.0, verbose=False, proof_limit=2.0)
+    assert how == "reduced-cost fixing + branch and bound"
+    started = [left for from_plan, left in budgets if from_plan]
+    assert len(started) == 1 and 0.0 < started[0] <= 2.0
+    assert all(left > 2.0 for from_plan, left in budgets if not from_plan)  # the time limit's
+    assert gap <= 1e-3 and objective <= best * (1 + 1e-3)

@@ -112,6 +112,9 @@ class AutoParallel:
     called under a fake tensor mode, so it allocates nothing.  `cost_model` is a `CostModel`
     or a device name ("cpu", "a100", "h100", "h200").  `grad_reduction="mean"` divides output
     gradients by the number of batch shards (DDP/FSDP semantics for a per-rank mean loss).
+    `solver_time_limit` bounds the solve; once it holds a plan near the relaxation's bound,
+    the search for a cheaper one stops after `solver_proof_limit` seconds (the plan records
+    the gap it proved, solver.py).
 
     Execution (`apply_placement`): `executor="lowered"` runs the plan as local forward and
     backward graphs (lower.py, executor.py; "dtensor" interprets it over DTensors, a reference
@@ -137,6 +140,7 @@ class AutoParallel:
         mp_policy=None,
         cost_model: CostModel | str | None = None,
         solver_time_limit: float = 300.0,
+        solver_proof_limit: float = 15.0,
         grad_reduction: str = "mean",
         share_repeated: bool = True,
         backward: str = "plan",
@@ -156,6 +160,7 @@ class AutoParallel:
         self.param_dtype, self.reduce_dtype = _mp_dtypes(mp_policy)
         self.cost_model = resolve_cost_model(cost_model)
         self.time_limit = solver_time_limit
+        self.proof_limit = solver_proof_limit
         self.grad_reduction = grad_reduction
         self.share_repeated = share_repeated
         self.backward = backward
@@ -517,7 +522,9 @@ class AutoParallel:
     def _solve_local(self, verbose: bool) -> Plan:
         self._prepare()
         self._cluster()
-        sol = self.solver.solve(self._constraints, self.time_limit, verbose, rep=self._rep)
+        sol = self.solver.solve(
+            self._constraints, self.time_limit, verbose, rep=self._rep, proof_limit=self.proof_limit
+        )
         self.timings["build"], self.timings["solve"] = sol.build_s, sol.solve_s
         plan = solution_to_plan(self, sol)
         log.info("plan:\n%s", plan.table())

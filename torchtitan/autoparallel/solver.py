@@ -213,7 +213,13 @@ class _Model:
         lp.a_matrix_.num_row_ = len(self.row_lo)
         return lp
 
-    def solve(self, time_limit: float, verbose: bool, rel_gap: float = 1e-3):
+    def solve(
+        self,
+        time_limit: float,
+        verbose: bool,
+        rel_gap: float = 1e-3,
+        proof_limit: float = math.inf,
+    ):
         """Solve; returns (status, column values or None, objective, method, proven relative gap).
 
         1. The LP relaxation (no presolve: here it costs more than it saves).  When it is
@@ -226,7 +232,11 @@ class _Model:
            within `rel_gap` of the LP bound is optimal to that tolerance however it was
            found.
         3. Otherwise the whole 0/1 program, minus the columns LP duality shows no plan
-           cheaper than that one can use (`_reduced_cost_fixing`), started from it.
+           cheaper than that one can use (`_reduced_cost_fixing`), started from it, for at
+           most `proof_limit` seconds: if it neither finds a cheaper plan nor proves this
+           one within `rel_gap` by then, the plan is the best found, with the gap it proved
+           (status `kTimeLimit`; a memory budget that binds leaves the relaxation mixing
+           two plans, and closing that gap is most of the time on large models).
         Fractional relaxations here are a few groups mixing two layouts half and half
         (sequence-parallel or replicated norms in fp32 Llama3-8B (8,8): 0.25% above the
         bound); step 3 keeps 40% of its columns and proves the optimum in about a second,
@@ -290,6 +300,8 @@ class _Model:
                 len(upper),
                 obj,
             )
+        if start is not None:
+            t_end = min(t_end, time.perf_counter() + proof_limit)
         status, values, obj2, how, gap = self._branch_and_bound(
             upper, start, verbose, rel_gap, t_end
         )
@@ -462,10 +474,12 @@ class PlacementSolver:
         time_limit: float = 120.0,
         verbose: bool = False,
         rep: dict[fx.Node, fx.Node] | None = None,
+        proof_limit: float = math.inf,
     ) -> Solution:
         """The cheapest plan under `constraints`; `rep` maps each node to the representative
-        whose variables it shares (cluster.py; None: no sharing)."""
-        sol = self._solve_once(constraints, time_limit, verbose, rep)
+        whose variables it shares (cluster.py; None: no sharing).  `proof_limit` bounds the
+        search for a cheaper plan than a first one near the bound (`_Model.solve`)."""
+        sol = self._solve_once(constraints, time_limit, verbose, rep, proof_limit)
         if sol is not None:
             return sol
         # infeasible: find a minimal conflicting set of user constraints
@@ -522,12 +536,16 @@ class PlacementSolver:
                 program.add_memory_budget(c)
         return program
 
-    def _solve_once(self, constraints, time_limit, verbose, rep) -> Solution | None:
+    def _solve_once(
+        self, constraints, time_limit, verbose, rep, proof_limit: float = math.inf
+    ) -> Solution | None:
         t0 = time.perf_counter()
         program = self._build(constraints, rep)
         build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        status, values, obj, how, gap = program.m.solve(time_limit, verbose)
+        status, values, obj, how, gap = program.m.solve(
+            time_limit, verbose, proof_limit=proof_limit
+        )
         solve_s = time.perf_counter() - t1
         log.info(
             "ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",

@@ -35,6 +35,11 @@ class AutoParallelConfig:
     """Stop the solver after this long and take the best plan found so far (the log says
     how far from optimal it may be)."""
 
+    solver_proof_limit_seconds: float = 15.0
+    """Once the solver holds a plan near its lower bound, search this long for a cheaper one
+    or for the proof that none is more than 0.1% cheaper, then take the best found (the plan
+    records the gap it proved)."""
+
     plan_cache: bool = True
     """Reuse a plan cached under {dump_folder}/plans/ (keyed by the traced graph, mesh,
     constraints, precision and cost model) and cache new ones."""
@@ -47,7 +52,11 @@ class AutoParallelConfig:
                 f"--autoparallel.cost_model: unknown device {self.cost_model!r}; "
                 f"choose auto or one of {', '.join(sorted(DEVICES))}"
             )
-        for name in ("memory_budget_gib", "solver_time_limit_seconds"):
+        for name in (
+            "memory_budget_gib",
+            "solver_time_limit_seconds",
+            "solver_proof_limit_seconds",
+        ):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--autoparallel.{name}: must be a positive number, got {value}")

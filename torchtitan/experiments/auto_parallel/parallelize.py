@@ -94,6 +94,7 @@ def planner_for_job(
         mp_policy=mp_policy,
         cost_model=cost_model_name(settings.cost_model),
         solver_time_limit=settings.solver_time_limit_seconds,
+        solver_proof_limit=settings.solver_proof_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
     )
 
