@@ -13,11 +13,15 @@ planned placements.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from .buckets import bucket_collectives
 from .lower import lower_joint, partition
+
+log = logging.getLogger(__name__)
 
 
 class LoweredPlan:
@@ -50,6 +54,12 @@ class LoweredPlan:
         )
         part = partition(joint, runner.kept_gathered(), runner.recompute)
         self.stats = bucket_collectives(part, runner.units, enabled=runner.bucket)
+        log.info(
+            "lowered graphs%s: collectives forward %s, backward %s",
+            " (to compile)" if compile_kwargs is not None else "",
+            _counts(self.stats["fwd"]),
+            _counts(self.stats["bwd"]),
+        )
         self.partition = part
         self.n_out = part.n_outputs
         # the backward graph returns one gradient per parameter that gets one, in this order
@@ -92,6 +102,10 @@ class _PlanFunction(torch.autograd.Function):
         for slot, g in zip(lp.grad_slots, out):
             res[slot] = g
         return (None, *res)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
 
 
 def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
