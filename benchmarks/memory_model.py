@@ -515,7 +515,8 @@ def format_result(res: dict) -> str:
     for fqn, pl in ranks[0]["params"].items():
         groups[pl].add(name_pattern(fqn))
     pm = peak["measured"]
-    verdict = "WITHIN" if passed(res) else "NOT within"
+    verdict = "WITHIN" if all(within(ratio(x)) for x in ranks) else "NOT within"
+    verdict += f" {TOLERANCE:.0%}" + ("" if under_budget(res) else ", measured OVER the budget")
     lines += [
         "",
         "plan (parameter placements): "
@@ -529,7 +530,7 @@ def format_result(res: dict) -> str:
         f"**{res['mesh']} {res.get('recompute', 'none')} {res.get('reshard', 'always')}: "
         f"measured/predicted = "
         f"{ratio(peak):.2f} (per rank "
-        f"{', '.join(f'{ratio(x):.2f}' for x in ranks)}) -> {verdict} {TOLERANCE:.0%}**",
+        f"{', '.join(f'{ratio(x):.2f}' for x in ranks)}) -> {verdict}**",
     ]
     return "\n".join(lines)
 
@@ -605,7 +606,7 @@ def main() -> int:
     print(
         f"{len(results)} configurations in {time.perf_counter() - t0:.0f}s: "
         + ("all within" if ok else "NOT all within")
-        + f" {TOLERANCE:.0%} of the prediction"
+        + f" {TOLERANCE:.0%} of the prediction (and under their budgets)"
     )
     return 0 if ok else 1
 
