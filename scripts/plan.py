@@ -126,9 +126,9 @@ def validate(a):
         raise BadInput(f"unknown flavor '{a.flavor}'; known: {', '.join(llama3_configs)}")
     if a.device.lower() not in DEVICES:
         raise BadInput(f"unknown device '{a.device}'; known: {', '.join(DEVICES)}")
-    for opt in ("batch", "seq_len", "layers", "vocab"):
+    for opt in ("batch", "seq_len", "layers", "vocab", "time_limit", "proof_limit"):
         v = getattr(a, opt)
-        if v is not None and v <= 0:
+        if v is not None and not v > 0:
             raise BadInput(f"--{opt.replace('_', '-')} must be positive, got {v}")
     if a.memory_gib is not None and a.memory_gib <= 0:
         raise BadInput(f"--memory-gib must be positive, got {a.memory_gib}")

@@ -80,6 +80,8 @@ def _solve(
         (["--mesh", "auto", "--world", "8", "--mesh-names", "a"], "drop --mesh-names"),
         (["--mesh", "8", "--world", "8"], "--world goes with --mesh auto"),
         (["--mesh", "auto", "--world", "7", "--batch", "8"], "no (dp, tp) split of world 7"),
+        (["--proof-limit", "0"], "--proof-limit must be positive, got 0.0"),
+        (["--time-limit", "nan"], "--time-limit must be positive, got nan"),
     ],
 )
 def test_plan_script_bad_input(argv, needle, capsys):

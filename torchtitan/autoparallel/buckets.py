@@ -128,9 +128,8 @@ def one_source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     ins = n.all_input_nodes
     if len(ins) == 1:
         return ins[0], [n]
-    sources = {a.args[0] for a in ins if a.target is operator.getitem}
-    if len(sources) == 1 and all(a.target is operator.getitem for a in ins):
-        return next(iter(sources)), [n, *ins]
+    if all(a.target is operator.getitem for a in ins) and len({a.args[0] for a in ins}) == 1:
+        return ins[0].args[0], [n, *ins]
     return None
 
 
@@ -176,14 +175,14 @@ class _GraphBuckets:
             level[n] = up + (n.target in COLLECTIVES)
         return out
 
-    def _reductions(self) -> dict[fx.Node, tuple[str, int, bool]]:
+    def _reductions(self) -> tuple[dict[fx.Node, tuple[str, int, bool]], set[fx.Node]]:
         """Reductions on the chain that ends in each gradient -> (parameter FQN, level from
-        the top of the chain, whether it is the chain's last).  The chain is the gradient's
-        redistribution: ops of one input, and the split / re-join of one value around a
-        collective (`one_source`).  The chains that hold a reduction are kept in
-        `self.reduction_chains`: the lowering emits them after the whole backward."""
+        the top of the chain, whether it is the chain's last), and the nodes of the chains
+        that hold one (the lowering emits them after the whole backward).  The chain is the
+        gradient's redistribution: ops of one input, and the split / re-join of one value
+        around a collective (`one_source`)."""
         out = {}
-        self.reduction_chains: set[fx.Node] = set()
+        chains: set[fx.Node] = set()
         for o, fqn in self.grads.items():
             chain, links, cur = [], [], o
             while (step := one_source(cur)) is not None:
@@ -197,11 +196,11 @@ class _GraphBuckets:
                     chain.append(cur)
                 cur = src
             if chain:
-                self.reduction_chains.update(links)
+                chains.update(links)
             chain.reverse()
             for i, c in enumerate(chain):
                 out[c] = (fqn, i, i == len(chain) - 1)
-        return out
+        return out, chains
 
     def _first_use(self) -> dict[fx.Node, float]:
         """Parameter-side node -> index of the first non-parameter-side node that needs it."""
@@ -216,7 +215,7 @@ class _GraphBuckets:
 
     # ------------------------------------------------------------------ rewrite
     def run(self) -> fx.GraphModule:
-        gathers, reductions = self._gathers(), self._reductions()
+        gathers, (reductions, reduction_chains) = self._gathers(), self._reductions()
         first = self._first_use()
         groups: dict[tuple, list[fx.Node]] = defaultdict(list)
         unit_first: dict[str, float] = {}
@@ -253,7 +252,7 @@ class _GraphBuckets:
                     anchor[c] = issue_at[unit] + 1e-3 * level
                 elif last:
                     reduction_waits.append(next(iter(c.users)))
-        return self._schedule(anchor, reduction_waits)
+        return self._schedule(anchor, reduction_waits, reduction_chains)
 
     def _merge(self, target, members: list[fx.Node]) -> fx.Node:
         """Replace `members` (same op, group and dtype) by one collective on a flat buffer."""
@@ -313,7 +312,9 @@ class _GraphBuckets:
             g.erase_node(c)
         return coll
 
-    def _schedule(self, anchor: dict, reduction_waits: list[fx.Node]) -> fx.GraphModule:
+    def _schedule(
+        self, anchor: dict, reduction_waits: list[fx.Node], reduction_chains: set[fx.Node]
+    ) -> fx.GraphModule:
         """Re-emit the graph in dependency order, each node as close as possible to its key:
         its original position; anchored collectives at their issue point; parameter-side
         nodes just before their first user; a gradient reduction's wait just before the
@@ -331,7 +332,7 @@ class _GraphBuckets:
                 key[n] = anchor[n]
             elif n in side:
                 continue  # below: just in time
-            elif n in self.index and n not in self.reduction_chains:
+            elif n in self.index and n not in reduction_chains:
                 key[n] = self.index[n]
             else:  # a gradient's way to its reduction, or made by merging: as soon as ready
                 key[n] = max((key.get(a, -1.0) for a in n.all_input_nodes), default=-1.0) + 1e-3

@@ -484,11 +484,11 @@ class PlacementSolver:
             return sol
         # infeasible: find a minimal conflicting set of user constraints
         active = list(constraints)
-        if self._solve_once([], time_limit, False, rep) is None:
+        if self._solve_once([], time_limit, False, rep, proof_limit) is None:
             raise InfeasiblePlanError("no placement exists even without user constraints")
         for c in list(active):
             trial = [a for a in active if a is not c]
-            if self._solve_once(trial, time_limit, False, rep) is None:
+            if self._solve_once(trial, time_limit, False, rep, proof_limit) is None:
                 active = trial
         names = "; ".join(c.name for c in active)
         budgets = [c for c in active if isinstance(c, MemoryBudget)]
