@@ -24,9 +24,9 @@ from torchtitan.datasets import (
     DatasetConfig,
     HuggingFaceDataset,
     build_hf_dataloader,
-    hf_datasets,
+    hub,
 )
-from torchtitan.datasets.hf_datasets import check_local_dataset, load_local_dataset
+from torchtitan.datasets.local_files import check_local_dataset, load_local_dataset
 from torchtitan.errors import UserInputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -419,7 +419,7 @@ def test_check_missing_path(tmp_path):
 def test_reloop_is_warned_once(tmp_path, tokenizer, caplog):
     path = _lines_file(tmp_path, "d.jsonl", json.dumps({"text": "tiny"}))
     dataset = HuggingFaceDataset("titan_corpus", str(path), tokenizer, seq_len=4, infinite=True)
-    with caplog.at_level(logging.DEBUG, logger="torchtitan.datasets.hf_datasets"):
+    with caplog.at_level(logging.DEBUG, logger="torchtitan.datasets.packing"):
         list(itertools.islice(iter(dataset), 20))
     warnings = [
         r for r in caplog.records if r.levelno == logging.WARNING and "re-loop" in r.message
@@ -472,7 +472,7 @@ def test_hub_probe_is_bounded_when_the_lookup_hangs(monkeypatch, tokenizer):
         release.wait(5)
         raise OSError("released")
 
-    monkeypatch.setattr(hf_datasets, "_HUB_PROBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(hub, "_HUB_PROBE_TIMEOUT_S", 0.2)
     monkeypatch.setattr(socket, "create_connection", hanging_lookup)
     start = time.monotonic()
     try:

@@ -4,7 +4,7 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_hf_tokenizer
-from torchtitan.datasets.hf_datasets import build_hf_dataloader
+from torchtitan.datasets.dataloader import build_hf_dataloader
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_configs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import check_llama_parallelism, parallelize_llama
