@@ -16,14 +16,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
-from torchtitan.components import checkpoint as ckpt
 from torchtitan.components.checkpoint import (
     CheckpointManager,
     SafeLoadPlanner,
     SafeReader,
     verify_checkpoint,
 )
+from torchtitan.components.checkpoint import manager as ckpt  # where the manager finds names
 from torchtitan.components.lr_scheduler import build_lr_schedulers, lr_factor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.errors import UserInputError
@@ -90,11 +91,6 @@ def make_complete(folder: Path, step: int) -> Path:
     path = folder / f"step-{step}"
     dcp.save({"x": torch.tensor([float(step)])}, checkpoint_id=path, no_dist=True)
     return path
-
-
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    monkeypatch.delenv(ckpt.KILL_ENV, raising=False)
 
 
 def test_scan_finds_complete_and_reports_partial(tmp_path):
@@ -375,7 +371,7 @@ def test_corrupt_initial_load_path_is_user_error(tmp_path):
 
 def test_checkpoint_from_before_checksums_loads_unverified(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(ckpt, "write_manifest", lambda folder: None)
-    monkeypatch.setattr(ckpt._Writer, "storage_meta", ckpt.FileSystemWriter.storage_meta)
+    monkeypatch.setattr(ckpt.CheckpointWriter, "storage_meta", FileSystemWriter.storage_meta)
     folder = saved_5_and_10(tmp_path)
     assert not (folder / "checksums.json").exists()
     assert "written before checkpoints carried checksums" in verify_checkpoint(folder, strict=True)

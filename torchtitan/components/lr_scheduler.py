@@ -81,7 +81,7 @@ class LRSchedulersContainer(Stateful):
         """Resume at the saved step with this job's schedule (steps, warmup, peak lr).
 
         Sets the optimizers' lr, so it must run after their own state is loaded: theirs
-        carries the lr as saved (see checkpoint.py's `_restore`).
+        carries the lr as saved (see checkpoint/manager.py's `_restore`).
         """
         for scheduler in self.schedulers:
             scheduler.last_epoch = state_dict["last_epoch"]
