@@ -9,7 +9,7 @@ no activation checkpointing, parameter budget 1/world, logits vocabulary-sharded
 the plan, train a few steps (forward, cross-entropy, backward, clipping, foreach AdamW,
 zero_grad), and in one step after the first compare each rank's peak of live tensor bytes
 (`LiveTensorBytes`) with `plan.predicted["peak_bytes_per_rank"]`: parameters + gradients + AdamW
-state + saved activations (`torchtitan/autoparallel/memory.py`).  Prints per mesh the predicted
+state + saved activations (`torchtitan/autoparallel/cost/memory.py`).  Prints per mesh the predicted
 terms next to the measured ones, where the peak happened and what was alive then, and the
 verdict: within 1 +- 20% on every rank; the exit status is non-zero if any mesh misses.  Setup
 and results: `benchmarks/memory_model.md`; `tests/integration_tests/test_memory_model.py` runs one
@@ -178,8 +178,8 @@ def run_config(
     from torch.distributed.tensor.parallel import loss_parallel
 
     from torchtitan.autoparallel import AutoParallel
-    from torchtitan.autoparallel.recompute import describe_policies
-    from torchtitan.autoparallel.regather import describe_units
+    from torchtitan.autoparallel.policies.recompute import describe_policies
+    from torchtitan.autoparallel.policies.regather import describe_units
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.distributed.utils import clip_grad_norm_
@@ -467,7 +467,7 @@ def passed(res: dict) -> bool:
 
 
 def format_result(res: dict) -> str:
-    from torchtitan.autoparallel.plan import name_pattern
+    from torchtitan.autoparallel.trace.repeat import name_pattern
 
     ranks = res["ranks"]
     pred = ranks[0]["predicted"]

@@ -36,8 +36,8 @@ def run(config: str) -> str:
     out = run_plan_script(args, timeout=1800)
     if "error" in out:
         return f"| {config} | error: {out['error']} |"
-    from torchtitan.autoparallel.recompute import describe_policies
-    from torchtitan.autoparallel.regather import describe_units
+    from torchtitan.autoparallel.policies.recompute import describe_policies
+    from torchtitan.autoparallel.policies.regather import describe_units
 
     summary, plan = out["summary"], out["plan"]
     pred = summary["predicted"]

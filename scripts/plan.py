@@ -168,7 +168,7 @@ def validate(a):
 def mesh_candidates(world: int, args, batch: int, a):
     """(dp, tp) meshes of `world` for `--mesh auto`, and [(label, why not)] for the rest:
     the trainer's rules (mesh_choice.candidate_degrees) on this script's dim names."""
-    from torchtitan.autoparallel.cost import CostModel
+    from torchtitan.autoparallel.cost.model import CostModel
     from torchtitan.autoparallel.mesh_search import MeshCandidate
     from torchtitan.config.job_config import Parallelism
     from torchtitan.experiments.auto_parallel.mesh_choice import candidate_degrees
@@ -195,7 +195,7 @@ def mesh_candidates(world: int, args, batch: int, a):
 
 # ---------------------------------------------------------------------------- main
 def run(a) -> int:
-    from torchtitan.autoparallel.render import collapse, describe, summary_line, write_html
+    from torchtitan.autoparallel.plan.render import collapse, describe, summary_line, write_html
     from torchtitan.models.llama3.baseline_plans import dp_dim, fsdp_plan, fsdp_tp_plan, tp_dim
 
     shape, names = validate(a)

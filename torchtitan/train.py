@@ -29,6 +29,7 @@ from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
+from torchtitan.distributed.init_check import every_value_initialised
 from torchtitan.distributed.parallel_dims import (
     AUTO,
     DEGREES,
@@ -36,8 +37,8 @@ from torchtitan.distributed.parallel_dims import (
     check_search_degrees,
     mesh_search_requested,
 )
-from torchtitan.distributed.sharded_init import every_value_initialised, exact_sharded_init
 from torchtitan.errors import UserInputError
+from torchtitan.exact_init import exact_sharded_init
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan.autoparallel import AutoParallel, Plan
-from torchtitan.distributed.sharded_init import every_value_initialised
+from torchtitan.distributed.init_check import every_value_initialised
 
 TOL = 1e-5
 MESHES = {"dp4": ((4,), ("dp",)), "tp4": ((4,), ("tp",)), "dp2tp2": ((2, 2), ("dp", "tp"))}
@@ -328,8 +328,8 @@ def check_recomputes(model_name, mesh_name, pm, plan) -> None:
     for the backward, a selective one its matmul/attention outputs and its output."""
     from lowered_graphs import backward_gathered_units
 
-    from torchtitan.autoparallel.graph_nodes import param_side
-    from torchtitan.autoparallel.recompute import block_label, kept_by_selective
+    from torchtitan.autoparallel.graph.nodes import param_side
+    from torchtitan.autoparallel.policies.recompute import block_label, kept_by_selective
 
     runner = pm._ap_runner
     (lp,) = runner._lowered.values()
@@ -371,7 +371,7 @@ def check_attention_rules(mesh_name: str) -> None:
     rules the planner plans with: no redistribution, forward and gradients equal to one process."""
     from torch.distributed.tensor import distribute_tensor
 
-    import torchtitan.autoparallel.attention  # noqa: F401  (registers the op and its rules)
+    import torchtitan.autoparallel.ops.attention  # noqa: F401  (registers the op and its rules)
 
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

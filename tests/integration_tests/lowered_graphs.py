@@ -3,8 +3,9 @@ shared by the executor's and re-gather's unit tests and the 4-rank numerics chec
 
 from __future__ import annotations
 
-from torchtitan.autoparallel.buckets import AG, unit_of
-from torchtitan.autoparallel.graph_nodes import param_side
+from torchtitan.autoparallel.execute.buckets import AG
+from torchtitan.autoparallel.graph.nodes import param_side
+from torchtitan.autoparallel.policies.units import unit_of
 
 
 def param_gathers(part, graph: str) -> list:
@@ -18,7 +19,7 @@ def param_gathers(part, graph: str) -> list:
 
 
 def gathered_units(part, ag, units: list[str]) -> set[str]:
-    """The FSDP units (`units`: buckets.fsdp_units) of the parameters backward gather `ag`
+    """The FSDP units (`units`: units.fsdp_units) of the parameters backward gather `ag`
     reads."""
     phs = [n for n in part.bwd.graph.nodes if n.op == "placeholder"]
     fqn = {n: f for n, f in zip(phs, part.saved_names) if f is not None}

@@ -20,7 +20,7 @@ from rank_checks import check, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from torchtitan.distributed.sharded_init import exact_sharded_init
+from torchtitan.exact_init import exact_sharded_init
 
 
 class Holder(nn.Module):

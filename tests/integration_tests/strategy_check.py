@@ -21,8 +21,8 @@ from rank_checks import check, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from torchtitan.autoparallel.strategies import _tensor_input_nodes, build_strategies
-from torchtitan.autoparallel.trace import trace_joint
+from torchtitan.autoparallel.strategies.table import _tensor_input_nodes, build_strategies
+from torchtitan.autoparallel.trace.joint import trace_joint
 
 aten = torch.ops.aten
 INDEXING_OPS = {

@@ -359,7 +359,7 @@ def test_redistribution_steps_follow_dtensor():
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
-    from torchtitan.autoparallel.cost import redistribution_steps
+    from torchtitan.autoparallel.cost.model import redistribution_steps
 
     mesh = init_device_mesh("cpu", (2, 4))
     meta = TensorMeta(torch.Size([16, 16]), (16, 1), torch.float32)
@@ -376,7 +376,7 @@ def test_redistribution_steps_follow_dtensor():
 
 
 def test_nested_gather_moves_the_large_tensor_over_the_outer_link():
-    from torchtitan.autoparallel.cost import Estimator
+    from torchtitan.autoparallel.cost.model import Estimator
 
     slow, fast = LinkSpec(0.0, 1.0), LinkSpec(0.0, 100.0)
     est = Estimator(CostModel(device=DEVICES["h100"], links=[slow, fast]), (2, 4))

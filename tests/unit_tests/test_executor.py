@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.buckets import RS, WAIT
+from torchtitan.autoparallel.execute.buckets import RS, WAIT
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_lowering_refuses_a_captured_tensor():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from torchtitan.autoparallel import PlannerError
-    from torchtitan.autoparallel.lower import _check_constants
+    from torchtitan.autoparallel.execute.lower import _check_constants
 
     stale = torch.randn(4, 4)
     gm = make_fx(lambda x: x @ stale)(torch.randn(4, 4))
@@ -153,7 +153,8 @@ def test_lowering_refuses_a_captured_tensor():
 def _gradient_chains(part, units):
     """Unit -> (position of the op each of its gradients' redistribution starts from, the
     reductions on those redistributions), read off the backward graph."""
-    from torchtitan.autoparallel.buckets import AR, one_source, unit_of
+    from torchtitan.autoparallel.execute.buckets import AR, one_source
+    from torchtitan.autoparallel.policies.units import unit_of
 
     order = list(part.bwd.graph.nodes)
     pos = {n: i for i, n in enumerate(order)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchtitan.distributed.sharded_init import every_value_initialised
+from torchtitan.distributed.init_check import every_value_initialised
 from torchtitan.errors import UserInputError
 
 

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, CostModel
-from torchtitan.autoparallel.attention import sdpa, softmax_attention_backward
-from torchtitan.autoparallel.cost import Estimator
-from torchtitan.autoparallel.trace import trace_joint
+from torchtitan.autoparallel.cost.model import Estimator
+from torchtitan.autoparallel.ops.attention import sdpa, softmax_attention_backward
+from torchtitan.autoparallel.trace.joint import trace_joint
 
 pytestmark = pytest.mark.usefixtures("module_fake_world")  # world size 4
 

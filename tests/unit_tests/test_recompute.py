@@ -23,8 +23,12 @@ from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.errors import InfeasiblePlanError, PlannerError
-from torchtitan.autoparallel.recompute import block_label, describe_policies, kept_by_selective
-from torchtitan.autoparallel.repeat import RepeatedBlocks
+from torchtitan.autoparallel.policies.recompute import (
+    block_label,
+    describe_policies,
+    kept_by_selective,
+)
+from torchtitan.autoparallel.trace.repeat import RepeatedBlocks
 from torchtitan.errors import UserInputError
 
 KiB = 1024

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.errors import PlannerError
-from torchtitan.autoparallel.regather import describe_units
+from torchtitan.autoparallel.policies.regather import describe_units
 
 SHAPE = (64, 16, 256)
 UNITS = ["", *(f"layers.{i}" for i in range(6))]

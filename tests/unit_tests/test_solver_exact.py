@@ -1,4 +1,4 @@
-"""The 0/1 solver (`solver._Model.solve`) against brute force on programs whose LP
+"""The 0/1 solver (`milp.Milp.solve`) against brute force on programs whose LP
 relaxation is fractional: odd cycles of nodes that prefer to differ from their neighbours
 (the relaxation's half-and-half mixtures, as fp32 Llama3 programs show), in the same
 formulation as the planner's (one-hot x per node, tight marginal rows per edge)."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from torchtitan.autoparallel.solver import _Model
+from torchtitan.autoparallel.solve.milp import Milp
 
 
 def _program(n_nodes: int, states: int, seed: int):
@@ -25,7 +25,7 @@ def _program(n_nodes: int, states: int, seed: int):
         ]
         for e in edges
     }
-    m = _Model()
+    m = Milp()
     x = []
     for i in range(n_nodes):
         cols = [m.var(unary[i][s]) for s in range(states)]
@@ -72,13 +72,13 @@ def test_search_from_a_first_plan_is_bounded_by_the_proof_limit(monkeypatch):
 
     m, _x, _cost_of, best = _program(5, 3, seed=0)
     budgets = []
-    search = _Model._branch_and_bound
+    search = Milp._branch_and_bound
 
     def spy(self, upper, start, verbose, rel_gap, t_end):
         budgets.append((start is not None, t_end - time.perf_counter()))
         return search(self, upper, start, verbose, rel_gap, t_end)
 
-    monkeypatch.setattr(_Model, "_branch_and_bound", spy)
+    monkeypatch.setattr(Milp, "_branch_and_bound", spy)
     status, values, objective, how, gap = m.solve(time_limit=30.0, verbose=False, proof_limit=2.0)
     assert how == "reduced-cost fixing + branch and bound"
     started = [left for from_plan, left in budgets if from_plan]

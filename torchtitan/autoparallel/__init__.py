@@ -4,9 +4,9 @@ A standalone library (no trainer imports).  See `api.AutoParallel` for the entry
 """
 
 from .api import AutoParallel
-from .cost import DEVICES, LINKS, CostModel, DeviceSpec, LinkSpec
+from .cost.model import DEVICES, LINKS, CostModel, DeviceSpec, LinkSpec
 from .errors import ConstraintError, InfeasiblePlanError, PlannerError, UnsupportedOpError
-from .plan import Plan
+from .plan.plan import Plan
 
 __all__ = [
     "AutoParallel",

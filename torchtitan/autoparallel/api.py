@@ -26,31 +26,25 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from . import placements as P
-from . import repeat
-from .apply import GraphRunner, build_parallel_module
-from .buckets import fsdp_units
-from .cluster import cluster_nodes
-from .cost import CostModel, Estimator, resolve_cost_model
+from .cost.model import CostModel, Estimator, resolve_cost_model
 from .errors import ConstraintError, PlannerError
-from .expand import expand_plan
-from .plan import Plan
-from .plan_cache import cached_or_solved
-from .precision import cast_edges
-from .recompute import check_policy
-from .regather import check_reshard_policy, regather_setting
-from .report import solution_to_plan
-from .solver import (
-    MemoryBudget,
-    OutputPin,
-    ParameterBudget,
-    Pin,
-    PlacementSolver,
-    UserConstraint,
-    prune_unreachable,
-)
-from .strategies import build_strategies
-from .trace import check_on_meta, trace_joint
+from .execute.apply import GraphRunner, build_parallel_module
+from .graph import placements as P
+from .plan.cache import cached_or_solved
+from .plan.expand import expand_plan
+from .plan.plan import Plan
+from .plan.report import solution_to_plan
+from .policies.recompute import check_policy
+from .policies.regather import check_reshard_policy, regather_setting
+from .policies.units import fsdp_units
+from .solve.constraints import MemoryBudget, OutputPin, ParameterBudget, Pin, UserConstraint
+from .solve.precision import cast_edges
+from .solve.prune import prune_unreachable
+from .solve.solver import PlacementSolver
+from .strategies.cluster import cluster_nodes
+from .strategies.table import build_strategies
+from .trace import repeat
+from .trace.joint import check_on_meta, trace_joint
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +265,7 @@ class AutoParallel:
             recompute=self._recompute_setting(),
         )
         t = time.perf_counter()
-        removed = prune_unreachable(self.table, self.estimator, self.solver.no_comm_edges)
+        removed = prune_unreachable(self.table, self.estimator, self.solver.prices.no_comm_edges)
         self._cluster()
         self.timings["prune+cluster"] = time.perf_counter() - t
         log.info("pruned %d unreachable strategies", removed)

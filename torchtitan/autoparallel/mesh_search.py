@@ -30,7 +30,7 @@ from typing import Any
 from torchtitan.torch_private import planning_mesh
 
 from .errors import PlannerError
-from .plan import Plan
+from .plan.plan import Plan
 
 log = logging.getLogger(__name__)
 

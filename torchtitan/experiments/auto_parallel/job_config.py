@@ -45,7 +45,7 @@ class AutoParallelConfig:
     constraints, precision and cost model) and cache new ones."""
 
     def validate(self) -> None:
-        from torchtitan.autoparallel.cost import DEVICES
+        from torchtitan.autoparallel.cost.model import DEVICES
 
         if self.cost_model != "auto" and self.cost_model.lower() not in DEVICES:
             raise ConfigError(

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from torchtitan.autoparallel.api import on_rank0
-from torchtitan.autoparallel.cost import resolve_cost_model
+from torchtitan.autoparallel.cost.model import resolve_cost_model
 from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,

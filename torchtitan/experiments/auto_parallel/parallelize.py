@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, PlannerError
-from torchtitan.autoparallel.cost import DEVICES
+from torchtitan.autoparallel.cost.model import DEVICES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError

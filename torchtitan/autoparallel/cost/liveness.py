@@ -1,0 +1,151 @@
+"""When each activation of the joint graph is alive, in the order the executor runs it.
+
+The executor (lower.py) runs the forward graph, then the backward graph: the backward's ops in
+graph order, each preceded by the values recomputed for it (recompute.py), every value freed
+after its last use.  `snapshots` replays that order on the planner's joint graph, under one
+recompute policy for every block, and reports the moments the memory model (memory.py) needs:
+
+* `"boundary"`: the backward's start.  Every saved value, the forward outputs (the caller's
+  loss still holds them) and their gradients (the tangents) are alive.
+* one per block, and one for the rest (`None`: the head, the loss's backward, glue): the moment
+  in that part of the backward when the most bytes are alive, at global size (a proxy: the
+  shardings are what the solver decides).
+
+A snapshot lists the values alive then as (node, output index) of the strategy nodes whose
+choice sets their local size, split into *saved* (forward values kept for the backward) and
+*transient* (made in the backward: gradients and recomputed values).  Views share their base's
+storage and count as the base; parameters, buffers and parameter gradients are not listed
+(memory.py counts them as static terms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..graph.nodes import is_getitem, is_view, param_side
+from ..policies.recompute import backward_schedule, block_label, recompute_rule, split_saved
+from ..trace.joint import TracedGraph
+
+BOUNDARY = "boundary"
+
+
+@dataclass
+class Snapshot:
+    where: str | None  # BOUNDARY, a block label, or None (the backward outside the blocks)
+    saved: list[tuple[fx.Node, int]] = field(default_factory=list)
+    transient: list[tuple[fx.Node, int]] = field(default_factory=list)
+
+
+def _nbytes(node: fx.Node, idx: int) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, (list, tuple)):
+        v = v[idx] if idx < len(v) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def backward_reads(tg: TracedGraph) -> list[tuple[fx.Node, str | None]]:
+    """(forward value, block of the backward node reading it) for every read across the
+    forward/backward boundary, and (output, None) for the forward outputs."""
+    fwd = tg.forward_nodes
+    out = []
+    for node in tg.gm.graph.nodes:
+        if node.op == "call_function" and node not in fwd:
+            out += [(a, block_label(node)) for a in node.all_input_nodes if a in fwd]
+    return out + [(o, None) for o in tg.outputs]
+
+
+def parameter_valued(tg: TracedGraph) -> set[fx.Node]:
+    """Nodes of the joint graph computed from parameters and buffers alone."""
+    return param_side(tg.gm.graph.nodes, set(tg.params.values()) | set(tg.buffers.values()))
+
+
+def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
+    """The moments of the step's backward (module docstring) with every block following
+    `policy`; `regathered(node)`: whether a parameter-valued node is made again in the
+    backward (its parameters are gathered again, regather.py)."""
+    graph = tg.gm.graph
+    fwd = tg.forward_nodes
+    static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
+    grads = {g for g in tg.grads.values() if g is not None}
+    rule = recompute_rule(policy, parameter_valued(tg), regathered or (lambda n: False))
+    _saved, recomputed = split_saved(backward_reads(tg), rule)
+
+    def key(a: fx.Node, backward: bool):
+        """The value `a` reads: (node, output index, recomputed?), a view as its base."""
+        idx = 0
+        while True:
+            if is_getitem(a):
+                a, idx = a.args[0], a.args[1]
+                continue
+            if is_view(a):
+                a = a.args[0]
+                continue
+            break
+        return (a, idx, backward and a in recomputed)
+
+    events: list[tuple[fx.Node, bool]] = [  # (node, runs in the backward)
+        (n, False) for n in graph.nodes if n in fwd and n.op == "call_function"
+    ]
+    first_backward = len(events)
+    # as lower.py orders the backward: the ops reading a tangent in graph order, each after
+    # the recomputed values and tangent-free backward ops it is the first to need
+    backward = {n for n in graph.nodes if n.op == "call_function" and n not in fwd}
+    tangents = [t for t in tg.tangents if t is not None]
+    schedule = backward_schedule(
+        list(graph.nodes), backward, tangents, set(recomputed) | backward, set(), list(grads)
+    )
+    events += [(n, True) for n in schedule]
+
+    born: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    for t, (n, backward) in enumerate(events):
+        for a in n.all_input_nodes:
+            k = key(a, backward)
+            if k[0] in static or k[0] in grads:
+                continue
+            last[k] = t
+            born.setdefault(k, first_backward if k[0].op == "placeholder" else t)
+        if not (is_view(n) or is_getitem(n)) and n not in grads:
+            v = n.meta.get("val")
+            outs = len(v) if isinstance(v, (list, tuple)) else 1
+            for i in range(outs):
+                k = (n, i, backward and n in recomputed)
+                born.setdefault(k, t)
+                last.setdefault(k, t)
+    for o in tg.outputs:  # held by the caller until its loss's backward starts
+        k = key(o, False)
+        last[k] = max(last.get(k, 0), first_backward)
+    alive_at = lambda k, t: born[k] <= t <= last[k]  # noqa: E731
+    values = [k for k in born if _nbytes(k[0], k[1])]
+
+    def split(t: int, where) -> Snapshot:
+        snap = Snapshot(where)
+        for k in values:
+            if alive_at(k, t):
+                forward_value = born[k] < first_backward and not k[2]
+                (snap.saved if forward_value else snap.transient).append((k[0], k[1]))
+        return snap
+
+    weight = lambda k: tg.weight(k[0]) if born[k] < first_backward and not k[2] else 1  # noqa: E731
+    best: dict = {}
+    total = 0
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for k in values:
+        starts.setdefault(born[k], []).append(k)
+        ends.setdefault(last[k], []).append(k)
+    for t, (n, backward) in enumerate(events):
+        for k in starts.get(t, ()):
+            total += _nbytes(k[0], k[1]) * weight(k)
+        if backward:
+            where = block_label(n)
+            if where not in best or total > best[where][0]:
+                best[where] = (total, t)
+        for k in ends.get(t, ()):
+            total -= _nbytes(k[0], k[1]) * weight(k)
+    out = [split(first_backward, BOUNDARY)]
+    out += [split(t, where) for where, (_b, t) in best.items()]
+    return out

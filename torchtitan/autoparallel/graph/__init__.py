@@ -1,0 +1,1 @@
+"""Leaves every stage shares: traced nodes, placements, the names of edges."""

@@ -1,0 +1,1 @@
+"""Stage 4b: the plan, read off a solution, shown, cached and expanded to the whole model."""

@@ -1,0 +1,160 @@
+"""Plans for people: grouped parameter rows, the one-line summary, an HTML page.
+
+`Plan.summary()` (plan.py) is the short form the trainer logs; these are the longer views
+`scripts/plan.py` prints and writes.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+from ..policies.recompute import describe_policies
+from ..trace.repeat import name_pattern
+from .plan import Plan, regather_line
+
+
+def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
+    """Group parameters whose FQN differs only in integer components and whose placement is
+    equal: 'layers.{0..31}.attention.wq.weight'."""
+    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    for fqn, pl in params.items():
+        parts = fqn.split(".")
+        idx = [p for p in parts if p.isdigit()]
+        key = (name_pattern(fqn), pl, tuple(shapes.get(fqn, ())))
+        groups.setdefault(key, []).append(int(idx[0]) if idx else -1)
+    rows = []
+    for (pattern, pl, shape), ids in groups.items():
+        ids = sorted(i for i in ids if i >= 0)
+        if ids:
+            rng = (
+                f"{ids[0]}..{ids[-1]}"
+                if ids == list(range(ids[0], ids[-1] + 1))
+                else ",".join(map(str, ids))
+            )
+            name = pattern.replace("*", "{" + rng + "}", 1)
+        else:
+            name = pattern
+        rows.append((name, "x".join(map(str, shape)), pl, len(ids) or 1))
+    return rows
+
+
+def describe(pl: str, names) -> str:
+    """`S(0),R` on mesh dims (dp, tp) -> `dp:S(0), tp:R`."""
+    parts = pl.split(",")
+    return ", ".join(f"{n}:{p}" for n, p in zip(names, parts))
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def summary_line(label: str, plan: Plan) -> str:
+    """One line: predicted step = compute + recompute + exposed communication, the
+    recompute policies, which units keep their gathered parameters and which gather them
+    again, and the predicted peak memory per rank with its parts."""
+    p = plan.predicted
+    comp, comm = p.get("compute_us", 0.0), p.get("exposed_comm_us", p.get("comm_us", 0.0))
+    rec = p.get("recompute_us", 0.0)
+    mem = p.get("peak_bytes_per_rank")
+    mem_s = (
+        ""
+        if mem is None
+        else (
+            f" | peak memory/rank {gib(mem)} (params {gib(p['param_bytes_per_rank'])}, grads "
+            f"{gib(p['grad_bytes_per_rank'])}, AdamW {gib(p['optim_bytes_per_rank'])}, "
+            f"saved activations {gib(p['activation_bytes_per_rank'])}, backward working set "
+            f"{gib(p.get('transient_bytes_per_rank', 0.0))}"
+            + (f"; {p['peak_where']}" if p.get("peak_where") else "")
+            + ")"
+        )
+    )
+    rec_s = f" + recompute {rec / 1e3:9.2f} ms" if rec else ""
+    policies = (
+        f" | recompute {describe_policies(plan.recompute)}"
+        if any(v != "none" for v in plan.recompute.values())
+        else ""
+    )
+    gathers = f" | {regather_line(plan)}" if plan.regathered else ""
+    return (
+        f"{label:<14} step {(comp + rec + comm) / 1e3:9.2f} ms = compute {comp / 1e3:9.2f} ms"
+        f"{rec_s} + exposed comm {comm / 1e3:9.2f} ms{policies}{gathers}{mem_s}"
+    )
+
+
+def mesh_search_html(search) -> str:
+    """The mesh search's candidates as an HTML table, the chosen one in bold."""
+    head = ["mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "proven gap", "plan s"]
+    rows = []
+    for i, r in enumerate(search.results):
+        p = r.predicted
+        cells = [
+            r.mesh.label(),
+            f"{r.step_us / 1e3:.2f}" if r.fits else "-",
+            f"{p['exposed_comm_us'] / 1e3:.2f}" if r.fits else "-",
+            f"{p['peak_bytes_per_rank'] / 2**30:.2f}" if r.fits else "-",
+            "yes" if r.fits else f"no: {r.note}",
+            "-" if r.gap is None else f"{r.gap:.2%}",
+            f"{r.plan_s:.1f}",
+        ]
+        style = ' style="font-weight:bold"' if i == search.chosen else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    rows += [
+        f"<tr><td>{html.escape(label)}</td><td colspan=6>not planned: {html.escape(why)}</td></tr>"
+        for label, why in search.skipped
+    ]
+    return (
+        f"<h2>mesh search</h2><p>{html.escape(search.verdict())}</p><table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def write_html(
+    path: Path, plans: dict[str, Plan], names, mesh_shape, title: str, search=None
+) -> None:
+    """One page: the mesh search's candidates if there was one, then per plan its summary
+    line and a table of every parameter's placement per mesh dim, split dims coloured."""
+    colors = ["#e6f2ff", "#ffe0b3", "#c6f0c6", "#f0c6f0", "#fff3a0", "#d0d0ff"]
+
+    def cell(pl_item: str) -> str:
+        if pl_item == "R":
+            return '<td class="r">R</td>'
+        m = re.match(r"S\((-?\d+)\)", pl_item)
+        if m:
+            d = int(m.group(1))
+            return f'<td style="background:{colors[(d + 1) % len(colors)]}">split dim {d}</td>'
+        return f"<td>{html.escape(pl_item)}</td>"
+
+    out = [
+        f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;font-size:13px}"
+        "table{border-collapse:collapse;margin:8px 0 24px}"
+        "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left}td.r{color:#999}"
+        "h2{margin-top:28px}</style>",
+        f"<h1>{html.escape(title)}</h1>",
+        "<p>Each row is a parameter (layer by layer); each mesh-dim column says which tensor "
+        "dim is split across that mesh dim (R = replicated).</p>",
+    ]
+    if search is not None:
+        out.append(mesh_search_html(search))
+    for label, plan in plans.items():
+        out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
+        out.append(
+            "<table><tr><th>parameter</th><th>shape</th>"
+            + "".join(f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape))
+            + "</tr>"
+        )
+        for fqn, pl in plan.params.items():
+            shape = "x".join(map(str, plan.param_shapes.get(fqn, [])))
+            out.append(
+                f"<tr><td>{html.escape(fqn)}</td><td>{shape}</td>"
+                + "".join(cell(x) for x in pl.split(","))
+                + "</tr>"
+            )
+        out.append("</table>")
+    path.write_text("\n".join(out))

@@ -1,0 +1,1 @@
+"""The settings a plan is made under: recompute, keep or gather again, FSDP units."""

@@ -1,0 +1,206 @@
+"""Activation recomputation: which forward values a block keeps for its backward.
+
+A *policy* is chosen per repeated block (repeat.py labels every node with its block):
+
+* `"none"`: the backward reads whatever forward values it needs; they stay alive from the
+  forward until their last backward use.
+* `"full"`: the block keeps nothing of its own.  Its backward recomputes the block's forward
+  from the values it reads from outside the block (the previous block's output, parameters),
+  communication included.
+* `"selective"`: the block keeps the outputs of its matrix products and attention (the
+  expensive ops) and recomputes everything else (norms, activations, casts, views,
+  redistributions) from them.
+
+A block is what its module's forward computes (the label `trace.py` attaches inside the
+block module, `block_label`): the residual adds inside it, not the glue between blocks, the
+mixed-precision casts of its parameters or the head and loss after the last block.
+
+The rule, applied alike to the planner's joint graph (memory.py, the solver) and to the lowered
+local graph (lower.py, what runs): walk back from the forward values the backward reads; a
+value read by a backward node of block b is recomputed when it was made in block b and b's
+policy may recompute its op, and then its own inputs are read in its place, again on behalf of
+block b.  Anything else is saved: values of other blocks (a block boundary is a checkpoint),
+values outside every block, graph inputs and parameters.  A value saved for one reader is
+never also recomputed for another.  Values computed from parameters and buffers alone (a
+gathered weight, its cast and transpose) follow no policy: they are kept or gathered again
+as the unit's re-gather decision says (regather.py), for any reader (`recompute_rule`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from ..errors import PlannerError
+from ..ops import attention  # noqa: F401  (registers titan::sdpa)
+from ..trace.repeat import LABEL_KEY
+
+POLICIES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+_KEPT_BY_SELECTIVE = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_mm.default,
+    _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.titan.sdpa.default,
+}
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise PlannerError(
+            f"unknown activation recompute policy {policy!r}; use one of {', '.join(POLICIES)}"
+        )
+    return policy
+
+
+def block_label(node: fx.Node) -> str | None:
+    """The repeated block whose module computed `node` (forward, or the backward derived
+    from it); None outside every block."""
+    return (node.meta.get("custom") or {}).get(LABEL_KEY)
+
+
+def kept_by_selective(node: fx.Node) -> bool:
+    """The selective policy keeps this node's value: a matrix product or attention, or one
+    output of one (a tuple's element is kept with the op that made it)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.target in _KEPT_BY_SELECTIVE
+
+
+def may_recompute(node: fx.Node, policy: str | None) -> bool:
+    """Whether `policy` recomputes `node` in its block's backward (op-wise, module doc)."""
+    if node.op != "call_function" or policy in (None, "none"):
+        return False
+    return policy == "full" or not kept_by_selective(node)
+
+
+Needed = Iterable[tuple[fx.Node, str | None]]
+
+
+def split_saved(
+    needed: Needed,
+    recompute_for: Callable[[fx.Node, str | None], bool],
+) -> tuple[list[fx.Node], dict[fx.Node, str | None]]:
+    """(saved values, recomputed node -> block it is recomputed for).
+
+    `needed`: (forward value, label of the backward node that reads it, None for a reader in
+    no block or a graph output).  `recompute_for(value, reader)`: may the backward of block
+    `reader` recompute `value` (see the module docstring)?  Saved values come in no particular
+    order."""
+    needed = list(needed)
+    forced: set[fx.Node] = set()
+    while True:
+        saved: dict[fx.Node, bool] = {}
+        recomputed: dict[fx.Node, str | None] = {}
+        seen: set = set()
+        stack = list(needed)
+        while stack:
+            node, reader = stack.pop()
+            if (node, reader) in seen:
+                continue
+            seen.add((node, reader))
+            if node not in forced and recompute_for(node, reader):
+                recomputed[node] = reader
+                stack.extend((a, reader) for a in node.all_input_nodes)
+            else:
+                saved[node] = True
+        clash = saved.keys() & recomputed.keys()
+        if not clash:
+            return list(saved), recomputed
+        forced |= clash
+
+
+def backward_schedule(
+    nodes: list[fx.Node], backward: set, tangents, lazy: set, done: set, outputs
+) -> list[fx.Node]:
+    """The order the executor runs the backward in (lower.py; liveness.py replays it): the ops
+    reading a tangent, in graph order (`nodes`), each preceded by the `lazy` nodes (recomputed
+    values, backward ops that need no tangent) it is the first to need; then what `outputs`
+    (the gradients) still need.  Lazy nodes nothing needs are left out: run last, a dead
+    `getitem` of a split would keep the split's base alive all backward long.  Nodes in
+    `done` are not emitted (already placed)."""
+    on_tangent = set(tangents)
+    for n in nodes:
+        if n in backward and any(a in on_tangent for a in n.all_input_nodes):
+            on_tangent.add(n)
+    order = {n: i for i, n in enumerate(nodes)}
+    done = set(done)
+    out: list[fx.Node] = []
+
+    def emit(n: fx.Node) -> None:
+        pending, stack = [], [n]
+        while stack:
+            a = stack.pop()
+            if a in done or a.op == "placeholder":
+                continue
+            done.add(a)
+            pending.append(a)
+            stack.extend(b for b in a.all_input_nodes if b in lazy and b not in on_tangent)
+        out.extend(sorted(pending, key=order.__getitem__))
+
+    for n in nodes:
+        if n in on_tangent and n.op != "placeholder":
+            emit(n)
+    for n in outputs:
+        if isinstance(n, fx.Node) and n in lazy:
+            emit(n)
+    return out
+
+
+def block_recompute(policies: dict[str, str] | str) -> Callable[[fx.Node, str | None], bool]:
+    """`recompute_for` of `split_saved` for per-block `policies` (block label -> policy, or
+    one policy for every block)."""
+
+    def recompute_for(node: fx.Node, reader: str | None) -> bool:
+        lab = block_label(node)
+        if reader is None or lab != reader:
+            return False
+        return may_recompute(node, policies if isinstance(policies, str) else policies.get(lab))
+
+    return recompute_for
+
+
+def recompute_rule(
+    policies: dict[str, str] | str, param_side: set[fx.Node], regathered: Callable[[fx.Node], bool]
+) -> Callable[[fx.Node, str | None], bool]:
+    """`recompute_for` of `split_saved` (module docstring): a value of `param_side` (computed
+    from parameters and buffers alone) is made again when `regathered` says so, for any
+    reader; any other value as its block's policy says."""
+    in_block = block_recompute(policies)
+
+    def recompute_for(node: fx.Node, reader: str | None) -> bool:
+        if node in param_side:
+            return regathered(node)
+        return in_block(node, reader)
+
+    return recompute_for
+
+
+def describe_policies(policies: dict[str, str]) -> str:
+    """`layers#0-2 full, layers#3 none`: runs of consecutive blocks with one policy."""
+
+    def key(label: str):
+        cname, _, i = label.rpartition("#")
+        return (cname, int(i)) if i.isdigit() else (label, -1)
+
+    runs: list[list] = []  # [container, first, last, policy]
+    for label in sorted(policies, key=key):
+        cname, i = key(label)
+        p = policies[label]
+        if runs and runs[-1][0] == cname and runs[-1][2] == i - 1 and runs[-1][3] == p:
+            runs[-1][2] = i
+        else:
+            runs.append([cname, i, i, p])
+    return ", ".join(
+        f"{c}#{a}{'' if a == b else f'-{b}'} {p}" if a >= 0 else f"{c} {p}" for c, a, b, p in runs
+    )

@@ -1,0 +1,442 @@
+"""The placement program: one 0/1 program for one traced graph, built one constraint family
+per method (`PlacementProgram.add_*`, formula in each docstring).
+
+Variables
+* `x[n, s]` (binary): node n uses strategy s.  One-hot per node.
+* `y[e, o, r]` (continuous, 0..1): on edge e, the producer emits placement o and the consumer
+  needs placement r.  Tight ("marginal") formulation: for every o, sum_r y = sum of x over the
+  producer's strategies emitting o; for every r, sum_o y = sum of x over the consumer's
+  strategies needing r.  Pairs whose redistribution is impossible get no variable.
+* `w[k, r]` (binary): the placement in which graph output k leaves the graph (a "sink").
+* `h[v, p]` (binary): for a value read by several consumers, the one placement p it is
+  redistributed to ("hub", `hub_columns`); its consumers' edges start from the hub.
+
+Constraints beyond consistency: a parameter's gradient leaves in the parameter's placement,
+a forward output's tangent enters in the output's placement, user pins, and the
+parameter-memory budget.  Objective: compute time of chosen strategies + redistribution time
+of chosen edges (+ a tiny tie-breaker per placement change).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import highspy
+import torch.fx as fx
+
+from ..cost.memory import copy_fraction, memory_rows, term_fraction
+from ..errors import ConstraintError
+from ..graph import placements as P
+from ..graph.edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
+from ..policies.regather import Regather
+from ..strategies.table import resolve_source
+from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin
+from .milp import Milp
+from .prices import GraphPrices
+from .recompute_choices import RecomputeChoices
+from .redistributions import source_value
+from .regather_choices import RegatherChoices
+
+log = logging.getLogger(__name__)
+
+TIE_BREAK_US = 0.01
+
+
+@dataclass
+class Solution:
+    choice: dict[fx.Node, int]  # node -> strategy index
+    sink_placement: dict[int, P.Placements]  # output index -> placement
+    grad_placement: dict[str, P.Placements]
+    compute_us: float
+    comm_us: float
+    objective: float
+    status: str
+    optimal: bool
+    gap: float | None  # proven relative gap to the best bound
+    num_vars: int
+    num_rows: int
+    # predicted us per instance of each edge (ConsumerEdge, HubEdge, GradEdge, OutputEdge)
+    edge_comm: dict = field(default_factory=dict)
+    overlappable_comm_us: float = 0.0  # parameter gathers / gradient reductions
+    exposed_comm_us: float = 0.0  # activation comm + overlappable comm not hidden by compute
+    hubs: dict = field(default_factory=dict)  # (producer, output idx) -> placement (hub_columns)
+    # traced block label -> {policy: how many of the blocks it stands for follow it}
+    recompute: dict[str, dict[str, int]] = field(default_factory=dict)
+    recompute_us: float = 0.0  # recomputed compute and communication in the backward
+    regathered: frozenset[str] = frozenset()  # traced parameters gathered again (regather.py)
+    regather_us: float = 0.0  # the backward's gathering again (in comm_us too)
+    build_s: float = 0.0  # building the program
+    solve_s: float = 0.0  # HiGHS
+
+
+class PlacementProgram:
+    """One 0/1 program, built one constraint family at a time (variables in the module
+    docstring); `solution` reads a plan off the solver's values.
+
+    Notation: `x[n, s]` node n takes strategy s; `y[e, o, r]` edge e redistributes o -> r;
+    `h[v, p]` value v's hub placement; `w[k, p]` sink k's placement.  Nodes that share a
+    representative (`rep`) share their x, and the costs are multiplied by how many nodes
+    (and shallow-trace blocks, `tg.weight`) each variable stands for.
+    """
+
+    def __init__(
+        self,
+        prices: GraphPrices,
+        rep: dict[fx.Node, fx.Node] | None,
+        regather: Regather,
+        recompute: str | dict[str, dict[str, int]],
+    ):
+        self.prices = prices
+        self.tg, self.table, self.est = prices.tg, prices.table, prices.est
+        self.rep = rep if rep is not None else {n: n for n in self.table.nodes}
+        self.weight = self.tg.weight  # > 1 for a shallow trace's block standing for several
+        self.mult: dict[fx.Node, int] = defaultdict(int)
+        for n in self.table.nodes:
+            self.mult[self.rep[n]] += self.weight(n)
+        self.represented: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+        for node in self.table.nodes:
+            self.represented[self.rep[node]].append(node)
+        self.m = Milp()
+        self.pside = prices.param_side_nodes()
+        self.gside = prices.grad_side_nodes()
+        self.eta = self.est.cm.overlap_efficiency
+        self.xvars: dict[fx.Node, list[int]] = {}
+        self.edge_vars: list[tuple[list[EdgeKey], int, float]] = []  # (members, y, cost each)
+        self.edge_pair_vars: dict[EdgeKey, list] = {}  # member -> [(y, emitted, required)]
+        self.pair_cost: dict[int, float] = {}  # y -> redistribution time of one instance
+        self.overlapped: set[int] = set()
+        self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
+        self.sink_vars: dict[int, dict[P.Placements, int]] = {}
+        self.grad_vars: dict[str, dict[P.Placements, int]] = {}
+        self.recompute = RecomputeChoices(self, recompute)
+        self.regather = RegatherChoices(self, regather)
+
+    def scaled_comm(self, y: int) -> float:
+        """Redistribution time of pair y as the objective counts it (the part not hidden
+        behind compute where overlappable)."""
+        c = self.pair_cost[y]
+        return c * (1.0 - self.eta) if y in self.overlapped else c
+
+    def member_weight(self, key: EdgeKey) -> int:
+        if isinstance(key, GradEdge):
+            return self.weight(self.tg.params[key.fqn])
+        if isinstance(key, OutputEdge):
+            return 1
+        return self.weight(key.node)
+
+    # ---------------------------------------------------------------- families
+    def add_placement_choices(self) -> None:
+        """sum_s x[n, s] = 1 for every representative n; objective += compute(n, s) x[n, s]
+        times the nodes n stands for."""
+        m = self.m
+        for node in self.table.nodes:
+            r = self.rep[node]
+            if r in self.xvars:
+                self.xvars[node] = self.xvars[r]
+                continue
+            strategies = self.table.nodes[r].strategies
+            xs = [
+                m.var(self.prices.compute_cost(r, s) * self.mult[r]) for s in range(len(strategies))
+            ]
+            self.xvars[r] = self.xvars[node] = xs
+            m.onehot(xs)
+            if r in self.pside or r in self.gside:
+                m.free_groups.add(len(m.groups) - 1)
+
+    def _producer_groups(self, src) -> dict[P.Placements, list[int]]:
+        g: dict[P.Placements, list[int]] = defaultdict(list)
+        for s, pl in enumerate(self.table.nodes[src[0]].out_placements(src[1])):
+            if pl is not None:
+                g[pl].append(self.xvars[src[0]][s])
+        return g
+
+    def _link(self, src, cons_groups, members: list[EdgeKey], prod=None) -> None:
+        """Tight edge rows between a producer (or its hub) and a consumer's requirements:
+        for every emitted o, sum_r y[e, o, r] = sum of the producer's x emitting o; for every
+        required r, sum_o y[e, o, r] = sum of the consumer's x needing r.  Objective +=
+        comm(o -> r) y (times (1 - overlap efficiency) where parameter-side, overlappable)."""
+        m = self.m
+        val = source_value(src)
+        prod = self._producer_groups(src) if prod is None else prod
+        pair_vars: list = []
+        for key in members:
+            self.edge_pair_vars[key] = pair_vars
+        rows_o = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
+        rows_r = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+        frozen = any(k in self.prices.no_comm_edges for k in members)
+        count = sum(self.member_weight(k) for k in members)
+        first = members[0]
+        overlappable = self.eta > 0 and (
+            src[0] in self.pside
+            or isinstance(first, GradEdge)
+            or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
+        )
+        sink = isinstance(first, (GradEdge, OutputEdge))
+        pairs = self.prices.pairs(
+            tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
+        )
+        scale = (1.0 - self.eta) if overlappable else 1.0
+        ys = m.vars([(c * scale + (TIE_BREAK_US if o != r else 0.0)) * count for o, r, c in pairs])
+        if overlappable:
+            self.overlapped.update(ys)
+        for y, (o, r, c) in zip(ys, pairs):
+            self.edge_vars.append((members, y, c))
+            self.pair_cost[y] = c
+            pair_vars.append((y, o, r))
+            rows_o[o].append((y, 1.0))
+            rows_r[r].append((y, 1.0))
+        for terms in list(rows_o.values()) + list(rows_r.values()):
+            m.row(terms, 0.0, 0.0)
+
+    def add_edges(self) -> None:
+        """One set of y per (producer group, consumer group, argument); a value read by
+        several consumer groups goes through a hub (`hub_columns`), its consumers link from it."""
+        table, rep = self.table, self.rep
+        edges: dict[tuple, list[ConsumerEdge]] = defaultdict(list)
+        for node, ns in table.nodes.items():
+            for k, src in enumerate(ns.sources):
+                edges[(rep[src[0]], src[1], rep[node], k)].append(ConsumerEdge(node, k))
+        required: dict[tuple, dict[P.Placements, list[int]]] = {}
+        fanout: dict[tuple, list[tuple]] = defaultdict(list)
+        for key in edges:
+            psrc, pidx, cnode, k = key
+            groups: dict[P.Placements, list[int]] = defaultdict(list)
+            for s, st in enumerate(table.nodes[cnode].strategies):
+                if st.ins[k] is not None:
+                    groups[st.ins[k]].append(self.xvars[cnode][s])
+            if groups:
+                required[key] = groups
+                fanout[(psrc, pidx)].append(key)
+        for src, keys in fanout.items():
+            if (
+                len(keys) > 1
+                and src[0].op == "call_function"
+                and src[0] not in self.pside
+                and not any(e in self.prices.no_comm_edges for k in keys for e in edges[k])
+            ):
+                w = hub_columns(self.m, self._producer_groups(src), [required[k] for k in keys])
+                self.hub_vars[src] = w
+                self._link(
+                    src,
+                    {pl: [v] for pl, v in w.items()},
+                    [HubEdge(n, src[1]) for n in self.represented[src[0]]],
+                )
+        for key, groups in required.items():
+            src = key[:2]
+            hub = self.hub_vars.get(src)
+            self._link(src, groups, edges[key], {pl: [v] for pl, v in hub.items()} if hub else None)
+
+    def add_output_sinks(self) -> None:
+        """sum_p w[k, p] = 1 per forward output k, linked like an edge; the output's tangent
+        enters in the same placement (`tie_columns`)."""
+        for i, out in enumerate(self.tg.outputs):
+            src = resolve_source(out)
+            val = source_value(src)
+            w = {pl: self.m.var(0.0) for pl in P.all_placements(val.shape, self.prices.mesh_shape)}
+            self.m.onehot(list(w.values()))
+            self.sink_vars[i] = w
+            self._link(src, {pl: [v] for pl, v in w.items()}, [OutputEdge(i)])
+            tan = self.tg.tangents[i]
+            if tan is not None and tan in self.table.nodes:
+                tie_columns(self.m, w, self.table.nodes[tan], self.xvars[tan])
+
+    def add_gradient_sinks(self) -> None:
+        """A parameter's gradient leaves in the parameter's placement: one sink per (param
+        group, gradient group), linked like an edge and tied to the parameter's x."""
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for fqn, g in self.tg.grads.items():
+            if g is None:
+                continue
+            src = resolve_source(g)
+            groups[(self.rep[self.tg.params[fqn]], self.rep.get(src[0], src[0]), src[1])].append(
+                fqn
+            )
+        for (pnode, gnode, gidx), fqns in groups.items():
+            src = (gnode, gidx)
+            val = source_value(src)
+            w = {pl: self.m.var(0.0) for pl in P.all_placements(val.shape, self.prices.mesh_shape)}
+            self.m.onehot(list(w.values()))
+            for fqn in fqns:
+                self.grad_vars[fqn] = w
+            self._link(src, {pl: [v] for pl, v in w.items()}, [GradEdge(f) for f in fqns])
+            tie_columns(self.m, w, self.table.nodes[pnode], self.xvars[pnode])
+
+    def add_pin(self, c: Pin | OutputPin) -> None:
+        """x[n, s] = 1 (lower bound) for the strategy whose output is the pinned placement;
+        for an output pin, w[k, p] = 1."""
+        if isinstance(c, OutputPin):
+            w = self.sink_vars[c.index]
+            if c.placement not in w:
+                raise ConstraintError(f"{c.name}: placement not valid for the output's shape")
+            self.m.lb[w[c.placement]] = 1.0
+            return
+        ns = self.table.nodes[c.node]
+        idx = [s for s, st in enumerate(ns.strategies) if st.out[0] == c.placement]
+        if not idx:
+            raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
+        self.m.lb[self.xvars[c.node][idx[0]]] = 1.0
+
+    def add_parameter_budget(self, c: ParameterBudget) -> None:
+        """low <= sum_p bytes(p)/total * sum_s shard_fraction(p, s) x[p, s] <= high, in units of
+        all parameter bytes (a well-scaled row); each bound is raised to what the smallest
+        shard of every parameter allows."""
+        tg, weight = self.tg, self.weight
+        total = (
+            float(sum(self.prices.param_bytes(n) * weight(n) for n in tg.params.values())) or 1.0
+        )
+        terms, lo_bound, hi_bound = [], 0.0, 0.0
+        for pnode in tg.params.values():
+            ns = self.table.nodes[pnode]
+            b = self.prices.param_bytes(pnode) * weight(pnode) / total
+            fr = [
+                P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.prices.mesh_shape)
+                for st in ns.strategies
+            ]
+            for s, f in enumerate(fr):
+                terms.append((self.xvars[pnode][s], b * f))
+            fmin = min(fr)
+            hi_bound += b * max(fmin, c.high)
+            lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
+        self.m.row(
+            terms,
+            lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
+            hi_bound * (1 + 1e-9),
+        )
+
+    def add_memory_budget(self, c: MemoryBudget) -> None:
+        """Every candidate peak (memory.py) at most the budget: row / budget <= 1."""
+        for terms in self.memory_rows(c.bytes_per_rank):
+            self.m.row(terms, -highspy.kHighsInf, 1.0)
+
+    def memory_rows(self, scale: float) -> list[list[tuple[int, float]]]:
+        """The memory model's rows (memory.py: params, grads, optimizer state, the
+        activations alive at each candidate peak) in units of `scale` bytes, so the
+        coefficients are O(1).  A copy held on an edge counts only if that edge
+        redistributes (through a hub on both steps: an upper bound)."""
+        table, rc = self.table, self.recompute
+        options = rc.options if rc.active else ("none",)
+        out = []
+        for row in memory_rows(self.tg, table, options, self.regather.setting):
+            terms: list[tuple[int, float]] = []
+            copies: set = set()
+            for e in row.entries:
+                t = e.term
+                if self.regather.decides(e):
+                    if t.kind != "copy" or (t.key, e.regathered) not in copies:
+                        copies.add((t.key, e.regathered))
+                        self.regather.add_entry(e, e.weight / scale, terms)
+                    continue
+                if t.kind == "copy":
+                    if t.key in copies:
+                        continue
+                    copies.add(t.key)
+                    mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
+                    if mult:
+                        self._copy_terms(t, mult / scale, terms)
+                    continue
+                for s in range(len(self.xvars[t.node])):
+                    frac = term_fraction(t, table, s)
+                    if not frac:
+                        continue
+                    col, mult = rc.entry_column(e, s)
+                    if mult:
+                        terms.append((col, t.full_bytes * frac * mult / scale))
+            out.append(terms)
+        return out
+
+    def _copy_terms(self, t, coef: float, terms: list) -> None:
+        table = self.table
+        src = table.nodes[t.node].sources[t.arg]
+        on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
+        on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
+        for y, o, r in on_edge + on_hub:
+            f = copy_fraction(t, table, o, r)
+            if f:
+                terms.append((y, t.full_bytes * f * coef))
+
+    # ---------------------------------------------------------------- reading the answer
+    def solution(self, values, status, obj, how, gap) -> Solution:
+        def chosen(w: dict) -> P.Placements:
+            return max(w, key=lambda pl: values[w[pl]])
+
+        choice, compute = {}, 0.0
+        for node, xs in self.xvars.items():
+            s = max(range(len(xs)), key=lambda i: values[xs[i]])
+            choice[node] = s
+            compute += self.prices.compute_cost(self.rep[node], s) * self.weight(node)
+        comm = overlapped = 0.0
+        edge_comm: dict[EdgeKey, float] = defaultdict(float)
+        for members, v, c in self.edge_vars:
+            if values[v] > 0.5:
+                count = 0
+                for key in members:
+                    count += self.member_weight(key)
+                    edge_comm[key] += c  # per instance; the totals below are weighted
+                comm += c * count
+                if v in self.overlapped:
+                    overlapped += c * count
+        regathered = self.regather.regathered(values)
+        regather_us = self.regather.regather_us(values, regathered)
+        comm += regather_us
+        overlapped += regather_us
+        exposed = (comm - overlapped) + (1.0 - self.eta) * overlapped
+        counts = self.recompute.counts(values)
+        hubs = {
+            (n, src[1]): chosen(w)
+            for src, w in self.hub_vars.items()
+            for n in self.represented[src[0]]
+        }
+        return Solution(
+            choice=choice,
+            sink_placement={i: chosen(w) for i, w in self.sink_vars.items()},
+            grad_placement={f: chosen(w) for f, w in self.grad_vars.items()},
+            compute_us=compute,
+            comm_us=comm,
+            objective=obj,
+            status=f"{status} via {how}",
+            optimal=status == highspy.HighsModelStatus.kOptimal,
+            gap=gap,
+            num_vars=len(self.m.cost),
+            num_rows=len(self.m.row_lo),
+            edge_comm=dict(edge_comm),
+            overlappable_comm_us=overlapped,
+            exposed_comm_us=exposed,
+            hubs=hubs,
+            recompute=counts,
+            recompute_us=self.recompute.recompute_us(values, choice, counts),
+            regathered=regathered,
+            regather_us=regather_us,
+        )
+
+
+def hub_columns(m: Milp, emitted: dict, required: list[dict]) -> dict[P.Placements, int]:
+    """A value read by several consumers is redistributed once per placement, not once per
+    consumer.  Its "hub" picks the one placement it is redistributed to (one-hot over what
+    the producer emits and the consumers require); consumers read from the hub and pay
+    only for their own step on from it (nothing when they need the hub's placement).  The
+    price, producer -> hub once plus hub -> each consumer, bounds what the runner does (it
+    redistributes through the hub the same way, and reads the producer's value directly
+    where a consumer wants the producer's own placement), and is exact when the consumers
+    want at most one placement besides the producer's — the Megatron pattern: one
+    all-gather of the normalised activations feeds wq, wk and wv."""
+    placements = dict.fromkeys(emitted)
+    for groups in required:
+        placements.update(dict.fromkeys(groups))
+    w = {pl: m.var(0.0) for pl in placements}
+    m.onehot(list(w.values()))
+    return w
+
+
+def tie_columns(m: Milp, w: dict, ns, xs: list[int]) -> None:
+    """Sink placement == the placement of a placeholder (param or tangent): for every p,
+    sum of x over the placeholder's strategies emitting p = w[p]."""
+    by_pl: dict = defaultdict(list)
+    for s, st in enumerate(ns.strategies):
+        by_pl[st.out[0]].append(xs[s])
+    for pl in set(w) | set(by_pl):
+        terms = [(v, 1.0) for v in by_pl.get(pl, [])]
+        if pl in w:
+            terms.append((w[pl], -1.0))
+        m.row(terms, 0.0, 0.0)

@@ -1,0 +1,157 @@
+"""Stage 4: choose one strategy per node.  `PlacementSolver` builds the placement program
+(program.py) for a traced graph, its strategy table and a cost model, solves it with the
+engine (milp.py) and reads the plan's `Solution` off it.
+
+User constraints (constraints.py) are named; if the program is infeasible they are dropped
+one at a time to find a minimal conflicting set, and its names are the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import highspy
+import torch.fx as fx
+
+from ..cost.model import Estimator
+from ..errors import InfeasiblePlanError, PlannerError
+from ..graph.edge_keys import ConsumerEdge
+from ..policies.regather import Regather
+from ..strategies.table import StrategyTable
+from ..trace.joint import TracedGraph
+from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin, UserConstraint
+from .prices import GraphPrices
+from .program import PlacementProgram, Solution
+
+log = logging.getLogger(__name__)
+
+
+class PlacementSolver:
+    """Builds and solves the 0/1 program for one traced graph, strategy table and cost model.
+
+    `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
+    casts); `regather`: which parameters the backward gathers again, or leaves to the solver
+    (regather.py); `recompute`: "auto" (the solver chooses each repeated block's activation
+    recompute policy), one policy for all, or pinned per traced block (recompute_program.py).
+    """
+
+    def __init__(
+        self,
+        tg: TracedGraph,
+        table: StrategyTable,
+        est: Estimator,
+        no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
+        regather: Regather = Regather(),
+        recompute: str | dict[str, dict[str, int]] = "none",
+    ):
+        self.prices = GraphPrices(tg, table, est, no_comm_edges)
+        self.regather = regather
+        self.recompute = recompute
+
+    # ------------------------------------------------------------------
+    def solve(
+        self,
+        constraints: list[UserConstraint],
+        time_limit: float = 120.0,
+        verbose: bool = False,
+        rep: dict[fx.Node, fx.Node] | None = None,
+        proof_limit: float = math.inf,
+    ) -> Solution:
+        """The cheapest plan under `constraints`; `rep` maps each node to the representative
+        whose variables it shares (cluster.py; None: no sharing).  `proof_limit` bounds the
+        search for a cheaper plan than a first one near the bound (`Milp.solve`)."""
+        sol = self._solve_once(constraints, time_limit, verbose, rep, proof_limit)
+        if sol is not None:
+            return sol
+        # infeasible: find a minimal conflicting set of user constraints
+        active = list(constraints)
+        if self._solve_once([], time_limit, False, rep, proof_limit) is None:
+            raise InfeasiblePlanError("no placement exists even without user constraints")
+        for c in list(active):
+            trial = [a for a in active if a is not c]
+            if self._solve_once(trial, time_limit, False, rep, proof_limit) is None:
+                active = trial
+        names = "; ".join(c.name for c in active)
+        budgets = [c for c in active if isinstance(c, MemoryBudget)]
+        if budgets:
+            others = [c for c in constraints if not isinstance(c, MemoryBudget)]
+            need = self.minimum_memory(others, time_limit, rep)
+            if need is not None:
+                names += (
+                    f" (the least memory any plan needs under the other constraints is "
+                    f"{need / 2**30:.4g} GiB per rank)"
+                )
+        raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
+
+    def minimum_memory(self, constraints, time_limit: float, rep) -> float | None:
+        """The smallest predicted bytes per rank of any plan under `constraints` (no memory
+        budget among them): the same program with the memory row as its objective."""
+        program = self._build(constraints, rep)
+        m = program.m
+        m.cost = [0.0] * len(m.cost)
+        peak = m.var(1.0, 0.0, highspy.kHighsInf)  # GiB; peak >= every row
+        m.unfixable.add(peak)
+        for terms in program.memory_rows(2.0**30):
+            m.row(terms + [(peak, -1.0)], -highspy.kHighsInf, 0.0)
+        status, values, obj, _how, _gap = m.solve(time_limit, False)
+        if values is None:
+            return None
+        return float(obj) * 2.0**30
+
+    def _build(self, constraints, rep) -> "PlacementProgram":
+        program = PlacementProgram(self.prices, rep, self.regather, self.recompute)
+        program.add_placement_choices()
+        program.recompute.add_choices()
+        program.regather.add_choices()
+        program.add_edges()
+        program.add_output_sinks()
+        program.add_gradient_sinks()
+        program.recompute.add_costs()
+        program.regather.add_costs()
+        for c in constraints:
+            if isinstance(c, (Pin, OutputPin)):
+                program.add_pin(c)
+            elif isinstance(c, ParameterBudget):
+                program.add_parameter_budget(c)
+            else:
+                program.add_memory_budget(c)
+        return program
+
+    def _solve_once(
+        self, constraints, time_limit, verbose, rep, proof_limit: float = math.inf
+    ) -> Solution | None:
+        t0 = time.perf_counter()
+        program = self._build(constraints, rep)
+        build_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        status, values, obj, how, gap = program.m.solve(
+            time_limit, verbose, proof_limit=proof_limit
+        )
+        solve_s = time.perf_counter() - t1
+        log.info(
+            "ILP %d vars, %d rows: build %.2fs, solve %.2fs, status %s (%s, gap %s)",
+            len(program.m.cost),
+            len(program.m.row_lo),
+            build_s,
+            solve_s,
+            status,
+            how,
+            gap,
+        )
+        if status == highspy.HighsModelStatus.kInfeasible or values is None:
+            if status == highspy.HighsModelStatus.kTimeLimit:
+                raise PlannerError(
+                    f"solver hit the {time_limit}s time limit without a feasible plan"
+                )
+            return None
+        if status != highspy.HighsModelStatus.kOptimal:
+            log.warning(
+                "solver stopped with status %s; the plan is feasible, proven within %s of optimal",
+                status,
+                "-" if gap is None else f"{gap:.2%}",
+            )
+        sol = program.solution(values, status, obj, how, gap)
+        sol.build_s, sol.solve_s = build_s, solve_s
+        return sol

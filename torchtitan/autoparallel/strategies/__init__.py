@@ -1,0 +1,1 @@
+"""Stage 2: candidate sharding strategies for every node of the traced graph."""

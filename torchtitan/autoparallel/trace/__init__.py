@@ -1,0 +1,1 @@
+"""Stage 1: a model on meta traced into one joint forward+backward graph."""
