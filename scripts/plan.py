@@ -195,7 +195,7 @@ def mesh_candidates(world: int, args, batch: int, a):
 
 # ---------------------------------------------------------------------------- main
 def run(a) -> int:
-    from torchtitan.autoparallel.plan.render import collapse, describe, summary_line, write_html
+    from torchtitan.autoparallel.plan.display import collapse, describe, summary_line, write_html
     from torchtitan.models.llama3.baseline_plans import dp_dim, fsdp_plan, fsdp_tp_plan, tp_dim
 
     shape, names = validate(a)

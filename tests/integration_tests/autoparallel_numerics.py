@@ -45,6 +45,7 @@ from autoparallel_models import (
     TiedLM,
     tiny_llama,
 )
+from dtensor_reference import use_reference_executor
 from rank_checks import check, run_checks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -215,7 +216,6 @@ def run_one(model_name, mesh_name, world, bf16=False):
         mesh,
         cost_model="h100",
         mp_policy=mp,
-        executor=EXECUTOR,
         # recomputing blocks also keep (root, last unit) or gather again (the rest)
         reshard_after_forward="default" if recompute else True,
     ) as autop:
@@ -227,6 +227,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
         plan = autop.optimize_placement(broadcast=True)  # rank 0 solves, the others receive it
         plan = Plan.from_json(plan.to_json())  # and a JSON round trip must apply as well
         pm = autop.apply_placement(plan)
+    if EXECUTOR == "dtensor":
+        use_reference_executor(pm)
     plan_s = time.perf_counter() - t0
     if dist.get_rank() == 0:
         placed = {k: v for k, v in list(plan.params.items())[:6]}
@@ -331,8 +333,8 @@ def check_recomputes(model_name, mesh_name, pm, plan) -> None:
     from torchtitan.autoparallel.graph.nodes import param_side
     from torchtitan.autoparallel.policies.recompute import block_label, kept_by_selective
 
-    runner = pm._ap_runner
-    (lp,) = runner._lowered.values()
+    runner = pm._ap_executor
+    (lp,) = runner.lowered.values()
     part = lp.partition
     fwd_phs = [n for n in part.fwd.graph.nodes if n.op == "placeholder"]
     # kept gathered parameters are the re-gather decision's, not the policy's

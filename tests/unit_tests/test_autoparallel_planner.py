@@ -27,6 +27,7 @@ from torchtitan.autoparallel import (
     PlannerError,
     UnsupportedOpError,
 )
+from torchtitan.autoparallel.plan.display import plan_table
 
 WORLD = 8
 
@@ -112,7 +113,7 @@ def test_swiglu_megatron_when_tp_is_cheap():
 def test_plan_table_json_roundtrip_and_apply(tmp_path):
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     plan, autop = plan_for(meta(MLPStack), (8, 4, 32), mesh, high=None)
-    text = plan.table()
+    text = plan_table(plan)
     assert "layers.0.0.weight" in text and "dp(2)" in text and "communication" in text
     for stage in ("trace", "strategies", "build", "solve"):
         assert stage in plan.timings
@@ -431,3 +432,19 @@ def test_a_private_torch_api_that_moved_is_named_not_skipped():
     assert f"tested with torch=={torch_private.TESTED_WITH}" in message
     with pytest.raises(ImportError, match=r"needs torch\.no_such_module\.\{x\}"):
         torch_private._require("torch.no_such_module", "x")
+
+
+def test_a_plan_of_an_older_format_is_refused_with_one_line():
+    """Plans record which units gather again since format 2; an older one is not guessed at."""
+    import json
+
+    from torchtitan.autoparallel import Plan, PlannerError
+
+    fields = dict(mesh_shape=[2], mesh_dim_names=["dp"], params={}, grads={}, buffers={})
+    old = json.dumps({**fields, "inputs": [], "outputs": [], "nodes": {}, "regathered": None})
+    with pytest.raises(PlannerError, match=r"^plan format version 1, and this planner reads "):
+        Plan.from_json(old)
+    with pytest.raises(PlannerError, match="plan format version 7"):
+        Plan.from_json(json.dumps({**json.loads(old), "version": 7}))
+    new = Plan(**fields, inputs=[], outputs=[], nodes={})
+    assert Plan.from_json(new.to_json()) == new

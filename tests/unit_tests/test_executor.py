@@ -45,7 +45,7 @@ def lowered(mesh, model_fn, example, fsdp=False, **kw):
     pm.init_weights()
     local = example[: example.shape[0] // 4]  # many tokens per weight: an FSDP-like plan
     pm(local).float().pow(2).mean().backward()  # lowers (fake collectives move no data)
-    (lp,) = pm._ap_runner._lowered.values()
+    (lp,) = pm._ap_executor.lowered.values()
     lp.module = pm
     return lp
 
@@ -68,7 +68,7 @@ def test_one_gather_and_one_reduction_per_unit(dp4):
     assert len(nodes(part.bwd, RS)) <= units
     # reshard_after_forward=True: the backward gathers again, one collective per unit
     again = [
-        gathered_units(part, ag, lp.module._ap_runner.units) for ag in param_gathers(part, "bwd")
+        gathered_units(part, ag, lp.module._ap_executor.units) for ag in param_gathers(part, "bwd")
     ]
     assert again and all(len(u) == 1 for u in again), again
     assert len({u for (u,) in again}) == len(again), again
@@ -96,13 +96,13 @@ def test_default_policy_keeps_root_and_last_unit_gathered(dp4):
         dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward="default"
     )
     expected = {"": False, **{f"layers.{i}": i < 4 for i in range(5)}}  # root, last: kept
-    assert lp.module._ap_runner.plan.regathered == expected
-    again = backward_gathered_units(lp.partition, lp.module._ap_runner.units)
+    assert lp.module.plan.regathered == expected
+    again = backward_gathered_units(lp.partition, lp.module._ap_executor.units)
     assert again and again <= {u for u, yes in expected.items() if yes}, again
     never = lowered(
         dp4, lambda: MLPStack(n_layers=5), torch.randn(64, 16, 32), reshard_after_forward=False
     )
-    assert not any(never.module._ap_runner.plan.regathered.values())
+    assert not any(never.module.plan.regathered.values())
     assert not param_gathers(never.partition, "bwd")
 
 
@@ -197,8 +197,8 @@ def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
         pm.to_empty(device="cpu")
         pm.init_weights()
         pm(torch.zeros(2, 256, dtype=torch.long)).float().pow(2).mean().backward()
-    (lp,) = pm._ap_runner._lowered.values()
-    chains, pos = _gradient_chains(lp.partition, pm._ap_runner.units)
+    (lp,) = pm._ap_executor.lowered.values()
+    chains, pos = _gradient_chains(lp.partition, pm._ap_executor.units)
     done = sorted(chains, key=lambda u: max(chains[u][0]))  # units in the backward's order
     assert sum(len(r) for _m, r in chains.values()) >= len(done), "expected reductions"
     assert any(len({r.args[3] for r in reductions}) == 2 for _m, reductions in chains.values()), (

@@ -26,7 +26,7 @@ STAGES = [
     "mesh_search",
 ]
 # the only modules of `torchtitan` outside the planner it may use: leaves that know torch only
-SHARED_LEAVES = {"torchtitan.torch_private", "torchtitan.exact_init"}
+SHARED_LEAVES = {"torchtitan.torch_private", "torchtitan.exact_init", "torchtitan.recompute_ops"}
 
 
 def _stage_of(path: Path) -> str:

@@ -57,7 +57,7 @@ def planned(mesh, recompute="none", budget=None, run=False):
     pm.to_empty(device="cpu")
     pm.init_weights()
     pm(torch.randn(SHAPE)).pow(2).mean().backward()
-    (lp,) = pm._ap_runner._lowered.values()
+    (lp,) = pm._ap_executor.lowered.values()
     return plan, lp
 
 

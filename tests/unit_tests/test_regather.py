@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.errors import PlannerError
+from torchtitan.autoparallel.plan.display import plan_summary
 from torchtitan.autoparallel.policies.regather import describe_units
 
 SHAPE = (64, 16, 256)
@@ -50,8 +51,8 @@ def planned(mesh, reshard, budget=None, run=False):
     pm.to_empty(device="cpu")
     pm.init_weights()
     pm(torch.randn(SHAPE)[:16]).pow(2).mean().backward()  # lowers (fake collectives)
-    (lp,) = pm._ap_runner._lowered.values()
-    lp.units = pm._ap_runner.units
+    (lp,) = pm._ap_executor.lowered.values()
+    lp.units = pm._ap_executor.units
     return plan, lp
 
 
@@ -86,7 +87,7 @@ def test_budget_makes_some_units_gather_again_and_the_backward_does_so(dp4):
     assert len({plan.regathered[f"layers.{i}"] for i in range(1, 5)}) == 1
     gathered = backward_gathered_units(lp.partition, lp.units)
     assert gathered and gathered <= again, (gathered, again)
-    assert f"gathered parameters: {describe_units(plan.regathered)}" in plan.summary()
+    assert f"gathered parameters: {describe_units(plan.regathered)}" in plan_summary(plan)
 
 
 def test_describe_units_runs():

@@ -14,19 +14,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.errors import UserInputError
+from torchtitan.recompute_ops import KEPT_BY_SELECTIVE
 from torchtitan.tools.logging import logger
 from torchtitan.torch_private import checkpoint_wrapper
 
 _aten = torch.ops.aten
 
-# Outputs worth keeping in op-level AC: expensive to recompute, cheap to hold.
-_SAVE_LIST = {
-    _aten.mm.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
+# Outputs worth keeping in op-level AC: the selective ops, and (as torchtitan does) the
+# reduce-scatters of sequence parallelism, which would otherwise run again.
+_SAVE_LIST = KEPT_BY_SELECTIVE | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
 def _op_level_policy():

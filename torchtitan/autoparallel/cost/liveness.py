@@ -66,26 +66,46 @@ def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
     """The moments of the step's backward (module docstring) with every block following
     `policy`; `regathered(node)`: whether a parameter-valued node is made again in the
     backward (its parameters are gathered again, regather.py)."""
-    graph = tg.gm.graph
-    fwd = tg.forward_nodes
-    static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
     grads = {g for g in tg.grads.values() if g is not None}
     rule = recompute_rule(policy, parameter_valued(tg), regathered or (lambda n: False))
     _saved, recomputed = split_saved(backward_reads(tg), rule)
+    events, first_backward = _events(tg, set(recomputed), grads)
+    born, last = _lifetimes(tg, events, first_backward, set(recomputed), grads)
+    values = [k for k in born if _nbytes(k[0], k[1])]
 
-    def key(a: fx.Node, backward: bool):
-        """The value `a` reads: (node, output index, recomputed?), a view as its base."""
-        idx = 0
-        while True:
-            if is_getitem(a):
-                a, idx = a.args[0], a.args[1]
-                continue
-            if is_view(a):
-                a = a.args[0]
-                continue
-            break
-        return (a, idx, backward and a in recomputed)
+    def split(t: int, where) -> Snapshot:
+        snap = Snapshot(where)
+        for k in values:
+            if born[k] <= t <= last[k]:
+                forward_value = born[k] < first_backward and not k[2]
+                (snap.saved if forward_value else snap.transient).append((k[0], k[1]))
+        return snap
 
+    weight = lambda k: tg.weight(k[0]) if born[k] < first_backward and not k[2] else 1  # noqa: E731
+    best = _busiest_per_block(events, values, born, last, weight)
+    out = [split(first_backward, BOUNDARY)]
+    out += [split(t, where) for where, (_b, t) in best.items()]
+    return out
+
+
+def _value_key(a: fx.Node, backward: bool, recomputed: set) -> tuple:
+    """The value `a` reads: (node, output index, recomputed?), a view as its base."""
+    idx = 0
+    while True:
+        if is_getitem(a):
+            a, idx = a.args[0], a.args[1]
+            continue
+        if is_view(a):
+            a = a.args[0]
+            continue
+        break
+    return (a, idx, backward and a in recomputed)
+
+
+def _events(tg: TracedGraph, recomputed: set, grads: set) -> tuple[list, int]:
+    """The step's ops in the executor's order, each with whether it runs in the backward,
+    and the index of the first backward op."""
+    graph, fwd = tg.gm.graph, tg.forward_nodes
     events: list[tuple[fx.Node, bool]] = [  # (node, runs in the backward)
         (n, False) for n in graph.nodes if n in fwd and n.op == "call_function"
     ]
@@ -95,15 +115,22 @@ def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
     backward = {n for n in graph.nodes if n.op == "call_function" and n not in fwd}
     tangents = [t for t in tg.tangents if t is not None]
     schedule = backward_schedule(
-        list(graph.nodes), backward, tangents, set(recomputed) | backward, set(), list(grads)
+        list(graph.nodes), backward, tangents, recomputed | backward, set(), list(grads)
     )
-    events += [(n, True) for n in schedule]
+    return events + [(n, True) for n in schedule], first_backward
 
+
+def _lifetimes(
+    tg: TracedGraph, events: list, first_backward: int, recomputed: set, grads: set
+) -> tuple[dict[tuple, int], dict[tuple, int]]:
+    """When each value (`_value_key`) is made and last read, as event indices; parameters,
+    inputs and gradients are not counted (the memory model holds them apart)."""
+    static = set(tg.params.values()) | set(tg.buffers.values()) | set(tg.inputs)
     born: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     for t, (n, backward) in enumerate(events):
         for a in n.all_input_nodes:
-            k = key(a, backward)
+            k = _value_key(a, backward, recomputed)
             if k[0] in static or k[0] in grads:
                 continue
             last[k] = t
@@ -116,20 +143,14 @@ def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
                 born.setdefault(k, t)
                 last.setdefault(k, t)
     for o in tg.outputs:  # held by the caller until its loss's backward starts
-        k = key(o, False)
+        k = _value_key(o, False, recomputed)
         last[k] = max(last.get(k, 0), first_backward)
-    alive_at = lambda k, t: born[k] <= t <= last[k]  # noqa: E731
-    values = [k for k in born if _nbytes(k[0], k[1])]
+    return born, last
 
-    def split(t: int, where) -> Snapshot:
-        snap = Snapshot(where)
-        for k in values:
-            if alive_at(k, t):
-                forward_value = born[k] < first_backward and not k[2]
-                (snap.saved if forward_value else snap.transient).append((k[0], k[1]))
-        return snap
 
-    weight = lambda k: tg.weight(k[0]) if born[k] < first_backward and not k[2] else 1  # noqa: E731
+def _busiest_per_block(events: list, values: list, born: dict, last: dict, weight) -> dict:
+    """Per block label (None outside blocks): (bytes, event index) of its busiest backward
+    moment."""
     best: dict = {}
     total = 0
     starts: dict[int, list] = {}
@@ -146,6 +167,4 @@ def snapshots(tg: TracedGraph, policy: str, regathered=None) -> list[Snapshot]:
                 best[where] = (total, t)
         for k in ends.get(t, ()):
             total -= _nbytes(k[0], k[1]) * weight(k)
-    out = [split(first_backward, BOUNDARY)]
-    out += [split(t, where) for where, (_b, t) in best.items()]
-    return out
+    return best

@@ -1,5 +1,9 @@
 """Stage 5c: run a plan as its lowered local graphs — the same program eager and compiled.
 
+`LoweredExecutor.run` is the parallel module's forward: it wraps the module's parameters and
+the local inputs (interpret.py), looks up or makes the lowered graphs of their signature, and
+runs them.  It owns the lowered graphs; nothing else keeps execution state.
+
 Per input signature (local shapes and dtypes of parameters, buffers and inputs) the plan is
 lowered once (lower.py), partitioned into a forward and a backward graph, and its collectives
 grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
@@ -14,11 +18,17 @@ planned placements.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
+from torchtitan.torch_private import pytree
+
+from ..errors import PlannerError
 from .buckets import bucket_collectives
+from .interpret import PlanInterpreter
 from .lower import lower_joint, partition
 
 log = logging.getLogger(__name__)
@@ -29,15 +39,15 @@ class LoweredPlan:
 
     def __init__(
         self,
-        runner,
+        executor: LoweredExecutor,
         keys: list[fx.Node],
         placements: list,
         locals_: list,
         device,
-        compile_kwargs: dict | None,
     ):
-        tg = runner.tg
-        out_vals = [runner._local_meta(i) for i in range(len(tg.outputs))]
+        interp, compile_kwargs = executor.interp, executor.compile_kwargs
+        tg = interp.tg
+        out_vals = [interp.local_output_meta(i) for i in range(len(tg.outputs))]
         tangent_keys, tangent_pls, tangent_locals = [], [], []
         self.tangent_slots = []
         for i, t in enumerate(tg.tangents):
@@ -45,15 +55,15 @@ class LoweredPlan:
                 continue
             shape, dtype = out_vals[i]
             tangent_keys.append(t)
-            tangent_pls.append(runner.output_pls[i])
+            tangent_pls.append(interp.output_pls[i])
             tangent_locals.append(torch.empty(shape, dtype=dtype, device=device))
             self.tangent_slots.append(i)
         self.out_like = out_vals
         joint = lower_joint(
-            runner, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
+            interp, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
         )
-        part = partition(joint, runner.kept_gathered(), runner.recompute)
-        self.stats = bucket_collectives(part, runner.units, enabled=runner.bucket)
+        part = partition(joint, executor.kept, executor.recompute)
+        self.stats = bucket_collectives(part, executor.units)
         log.info(
             "lowered graphs%s: collectives forward %s, backward %s",
             " (to compile)" if compile_kwargs is not None else "",
@@ -63,7 +73,7 @@ class LoweredPlan:
         self.partition = part
         self.n_out = part.n_outputs
         # the backward graph returns one gradient per parameter that gets one, in this order
-        slot_of = {runner.param_of.get(k): i for i, k in enumerate(keys) if k in runner.param_of}
+        slot_of = {interp.param_of.get(k): i for i, k in enumerate(keys) if k in interp.param_of}
         self.grad_slots = [slot_of[f] for f in part.grad_names]
         self.n_in = len(keys)
         if compile_kwargs is None:
@@ -119,23 +129,77 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def run_lowered(runner, env: dict, device, compile_kwargs: dict | None) -> list[torch.Tensor]:
-    """Run the plan through its (lazily lowered) local graphs; returns local outputs."""
-    keys = list(env)
-    values = [env[k] for k in keys]
-    locals_ = [v.to_local() for v in values]
-    sig = (compile_kwargs is not None, tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
-    lp = runner._lowered.get(sig)
-    if lp is None:
-        lp = runner._lowered[sig] = LoweredPlan(
-            runner,
-            keys,
-            [v.placements for v in values],
-            [x.detach() for x in locals_],
-            device,
-            compile_kwargs,
-        )
-    if not torch.is_grad_enabled():
-        return list(lp.fwd(*locals_)[: lp.n_out])
-    # to_local keeps autograd: gradients of the local shards flow back into the DTensor params
-    return list(_PlanFunction.apply(lp, *locals_))
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient (1 / ranks splitting the batch, so a
+    per-rank mean loss gives the global-mean gradient, as DDP and FSDP do)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class LoweredExecutor:
+    """Runs a plan through its lowered graphs, made on first use per input signature.
+
+    `kept`: parameters whose gathered values the forward keeps for the backward (None: all);
+    `recompute`: block label -> activation recompute policy; `units`: the FSDP units whose
+    collectives are bucketed together.  `compile(**kwargs)` hands the same graphs to
+    `torch.compile` from the next call on."""
+
+    def __init__(
+        self,
+        interp: PlanInterpreter,
+        kept: set[str] | None,
+        recompute: dict[str, str],
+        units: list[str],
+    ):
+        self.interp, self.kept, self.recompute, self.units = interp, kept, recompute, units
+        self.compile_kwargs: dict | None = None
+        self.lowered: dict[tuple, LoweredPlan] = {}  # input signature -> its graphs
+
+    def compile(self, **kwargs: Any) -> None:
+        self.compile_kwargs = dict(kwargs)
+
+    @torch._dynamo.disable
+    def run(self, module: nn.Module, args: tuple) -> Any:
+        """Execute the plan on local inputs; local outputs in the user's output structure."""
+        tg = self.interp.tg
+        flat, _ = pytree.tree_flatten(args)
+        if len(flat) != len(tg.inputs):
+            raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
+        env, device = self.interp.placeholders(module, flat)
+        return self._finish(self._run_lowered(env, device))
+
+    def _run_lowered(self, env: dict, device) -> list[torch.Tensor]:
+        keys = list(env)
+        values = [env[k] for k in keys]
+        locals_ = [v.to_local() for v in values]
+        compiled = self.compile_kwargs is not None
+        sig = (compiled, tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
+        lp = self.lowered.get(sig)
+        if lp is None:
+            placements = [v.placements for v in values]
+            detached = [x.detach() for x in locals_]
+            lp = self.lowered[sig] = LoweredPlan(self, keys, placements, detached, device)
+        if not torch.is_grad_enabled():
+            return list(lp.fwd(*locals_)[: lp.n_out])
+        # to_local keeps autograd: gradients of the local shards flow back into the params
+        return list(_PlanFunction.apply(lp, *locals_))
+
+    def _finish(self, outs: list[torch.Tensor]) -> Any:
+        """Local outputs with the mean-gradient scaling, in the user's output structure."""
+        scale = 1.0 / self.interp.batch_ranks()
+        outs = [_ScaleGrad.apply(v, scale) if scale != 1.0 and v.requires_grad else v for v in outs]
+        spec = self.interp.tg.output_spec
+        spec = getattr(spec, "spec", spec)
+        if spec is not None:
+            try:
+                return pytree.tree_unflatten(outs, spec)
+            except Exception:
+                pass
+        return outs[0] if len(outs) == 1 else tuple(outs)

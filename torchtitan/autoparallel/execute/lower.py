@@ -32,6 +32,7 @@ from ..errors import PlannerError
 from ..graph.nodes import param_side
 from ..policies.recompute import backward_schedule, block_label, recompute_rule, split_saved
 from ..trace.repeat import LABEL_KEY
+from .interpret import PlanInterpreter
 
 PARAM, BUFFER, INPUT, TANGENT = "param", "buffer", "input", "tangent"
 
@@ -67,15 +68,19 @@ def _wrap(local: torch.Tensor, mesh, pl, val: torch.Tensor) -> DTensor:
 
 
 def lower_joint(
-    runner, keys: list[fx.Node], placements: list, locals_: list[torch.Tensor], device
+    interp: PlanInterpreter,
+    keys: list[fx.Node],
+    placements: list,
+    locals_: list[torch.Tensor],
+    device,
 ) -> LocalJoint:
-    """Trace `runner`'s joint graph over local tensors (one per `keys` node, in the given
-    placements; tangents last) into a local joint graph."""
-    tg, mesh = runner.tg, runner.mesh
-    param_of, buffer_of = runner.param_of, runner.buffer_of
+    """Trace the joint graph, run by `interp`, over local tensors (one per `keys` node, in
+    the given placements; tangents last) into a local joint graph."""
+    tg, mesh = interp.tg, interp.mesh
+    param_of, buffer_of = interp.param_of, interp.buffer_of
     grad_fqns = [f for f in tg.params if tg.grads.get(f) is not None]
     nodes = [n for n in tg.gm.graph.nodes if n.op == "call_function"]
-    consts = runner.constant_values(device)
+    consts = interp.constant_values(device)
 
     def joint(*ls):
         env = {k: _wrap(x, mesh, pl, k.meta["val"]) for k, x, pl in zip(keys, ls, placements)}
@@ -83,17 +88,17 @@ def lower_joint(
         for node in nodes:
             lab = block_label(node)
             if lab is None:
-                runner._exec(node, env, device, param_casts=False)
+                interp.run_node(node, env, device)
                 continue
             # the local ops (collectives included) made for this node carry its block label
             with fx_traceback.annotate({LABEL_KEY: lab}):
-                runner._exec(node, env, device, param_casts=False)
+                interp.run_node(node, env, device)
         outs = [
-            runner._redistribute(env[n], runner.output_pls[i]).to_local()
+            interp.redistribute(env[n], interp.output_pls[i]).to_local()
             for i, n in enumerate(tg.outputs)
         ]
         grads = [
-            runner._redistribute(env[tg.grads[f]], runner.grad_pls[f]).to_local() for f in grad_fqns
+            interp.redistribute(env[tg.grads[f]], interp.grad_pls[f]).to_local() for f in grad_fqns
         ]
         return outs + grads
 

@@ -1,6 +1,6 @@
 """Plans cached as JSON files, keyed by everything the solver's answer depends on.
 
-`cached_or_solved(autop, folder, solve)` returns the text of `folder/<key>.json` when that
+`cached_or_solved(problem, folder, solve)` returns the text of `folder/<key>.json` when that
 file holds a plan this model and mesh can run (`Plan.check_applicable`), else solves,
 writes the file atomically (temporary name, rename) and returns the new plan.  A file that
 is truncated, edited or impossible is named in a warning and replaced, never applied.  The
@@ -16,18 +16,18 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import PlannerError
 from ..graph import placements as P
+from ..solve.problem import PlanningProblem
 from .plan import Plan, graph_fingerprint
 
 log = logging.getLogger(__name__)
 
 
-def plan_key(autop: Any) -> str:
+def plan_key(problem: PlanningProblem) -> str:
     constraints = [
         {
             "type": type(c).__name__,
@@ -42,17 +42,17 @@ def plan_key(autop: Any) -> str:
                 for f in dataclasses.fields(c)
             },
         }
-        for c in autop._constraints
+        for c in problem.constraints
     ]
     blob = json.dumps(
         {
-            "graph": graph_fingerprint(autop.tg.gm),
-            "mesh": [list(autop.mesh.shape), list(autop.mesh.mesh_dim_names or ())],
+            "graph": graph_fingerprint(problem.tg.gm),
+            "mesh": [list(problem.mesh.shape), list(problem.mesh.mesh_dim_names or ())],
             "constraints": constraints,
-            "precision": [str(autop.param_dtype), str(autop.reduce_dtype)],
-            "cost_model": repr(autop.cost_model),
-            "recompute": autop.recompute,
-            "reshard_after_forward": str(autop.reshard_after_forward),
+            "precision": [str(problem.param_dtype), str(problem.reduce_dtype)],
+            "cost_model": repr(problem.cost_model),
+            "recompute": problem.settings.recompute,
+            "reshard_after_forward": str(problem.settings.reshard_after_forward),
             "torch": torch.__version__,
         },
         sort_keys=True,
@@ -60,16 +60,16 @@ def plan_key(autop: Any) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-def _usable(autop: Any, path: Path) -> str | None:
+def _usable(problem: PlanningProblem, path: Path) -> str | None:
     """The cached plan's text, or None (with a warning naming the file) when there is none
     or it cannot be applied to this model and mesh."""
     if not path.exists():
         return None
     try:
         text = path.read_text()
-        shapes = {fqn: tuple(p.shape) for fqn, p in autop.model.named_parameters()}
+        shapes = {fqn: tuple(s) for fqn, s in problem.model.param_shapes.items()}
         Plan.from_json(text).check_applicable(
-            shapes, list(autop.mesh.shape), list(autop.mesh.mesh_dim_names or ())
+            shapes, list(problem.mesh.shape), list(problem.mesh.mesh_dim_names or ())
         )
     except (OSError, UnicodeDecodeError, PlannerError) as e:
         log.warning("cached plan %s is unusable (%s); planning again and replacing it", path, e)
@@ -78,9 +78,9 @@ def _usable(autop: Any, path: Path) -> str | None:
     return text
 
 
-def cached_or_solved(autop: Any, folder: Path, solve: Callable[[], Plan]) -> str:
-    path = folder / f"{plan_key(autop)}.json"
-    if (text := _usable(autop, path)) is not None:
+def cached_or_solved(problem: PlanningProblem, folder: Path, solve: Callable[[], Plan]) -> str:
+    path = folder / f"{plan_key(problem)}.json"
+    if (text := _usable(problem, path)) is not None:
         return text
     text = solve().to_json()
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch.fx as fx
 
 from ..errors import PlannerError
-from ..policies.recompute import describe_policies
-from ..policies.regather import describe_units
-from ..trace.repeat import name_pattern
+
+# the plan format this planner writes and reads (2: every plan records which units gather
+# their parameters again; an older plan is refused, not guessed at)
+PLAN_VERSION = 2
 
 
 @dataclass
@@ -43,13 +44,12 @@ class Plan:
     # block of the whole model ("layers#3") -> activation recompute policy (recompute.py)
     recompute: dict[str, str] = field(default_factory=dict)
     # FSDP unit of the whole model ("layers.3", "" the root) -> whether the backward gathers
-    # its parameters again (else it keeps what the forward gathered; regather.py).  None: a
-    # plan made before this was a choice (the runner's reshard-after-forward policy decides)
-    regathered: dict[str, bool] | None = None
+    # its parameters again (else it keeps what the forward gathered; regather.py)
+    regathered: dict[str, bool] = field(default_factory=dict)
     # unit -> whether the backward all-gathers its parameters at all: made again as above, or
     # a kept sharded copy the backward redistributes itself (report.backward_gathers)
-    backward_gathers: dict[str, bool] | None = None
-    version: int = 1
+    backward_gathers: dict[str, bool] = field(default_factory=dict)
+    version: int = PLAN_VERSION
 
     # ---------------- serialisation ----------------
     def to_json(self) -> str:
@@ -59,8 +59,17 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         try:
             data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlannerError(f"not a plan: {e}") from None
+        version = data.get("version", 1) if isinstance(data, dict) else None
+        if version != PLAN_VERSION:
+            raise PlannerError(
+                f"plan format version {version}, and this planner reads version "
+                f"{PLAN_VERSION} only: plan again"
+            )
+        try:
             return cls(**data)
-        except (TypeError, json.JSONDecodeError) as e:
+        except TypeError as e:
             raise PlannerError(f"not a plan: {e}") from None
 
     def check_applicable(
@@ -107,111 +116,6 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         return cls.from_json(Path(path).read_text())
-
-    # ---------------- display ----------------
-    def summary(self) -> str:
-        """One line per distinct (parameter pattern, placement): repeated layers collapse."""
-        groups: dict[tuple[str, str], int] = {}
-        for fqn, placement in self.params.items():
-            pattern = name_pattern(fqn)
-            groups[(pattern, placement)] = groups.get((pattern, placement), 0) + 1
-        width = max((len(p) for p, _ in groups), default=0)
-        dims = ",".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
-        lines += [
-            f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
-            for (p, pl), n in groups.items()
-        ]
-        pred = self.predicted
-        lines.append(
-            f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "
-            f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
-            f"{pred.get('param_fraction', 1.0):.3f} of full"
-        )
-        if self.recompute:
-            lines.append(
-                f"  recompute: {describe_policies(self.recompute)} "
-                f"(+{pred.get('recompute_us', 0) / 1e3:.2f} ms)"
-            )
-        if self.regathered is not None:
-            lines.append("  " + regather_line(self))
-        if "peak_bytes_per_rank" in pred:
-            lines.append("  " + memory_line(pred))
-        return "\n".join(lines)
-
-    def table(self) -> str:
-        names = self.mesh_dim_names
-        head = (
-            ["parameter", "shape"]
-            + [f"{n}({s})" for n, s in zip(names, self.mesh_shape)]
-            + ["comm ms"]
-        )
-        rows = [head]
-        for fqn, pl in self.params.items():
-            parts = pl.split(",")
-            comm = self.param_comm_us.get(fqn)
-            rows.append(
-                [fqn, "x".join(map(str, self.param_shapes.get(fqn, [])))]
-                + parts
-                + ["-" if comm is None else f"{comm / 1e3:.3f}"]
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        p = self.predicted
-        lines.append("")
-        lines.append(f"inputs: {self.inputs}   outputs: {self.outputs}")
-        lines.append(
-            f"predicted step: compute {p.get('compute_us', 0) / 1e3:.3f} ms, "
-            f"communication {p.get('comm_us', 0) / 1e3:.3f} ms "
-            f"(forward {p.get('fwd_comm_us', 0) / 1e3:.3f} ms, "
-            f"backward {p.get('bwd_comm_us', 0) / 1e3:.3f} ms); "
-            f"parameter memory per rank {p.get('param_fraction', 1.0):.4f} of full"
-        )
-        if self.solver:
-            s = self.solver
-            lines.append(
-                f"solver: {s.get('status')} optimal={s.get('optimal')} "
-                f"vars={s.get('num_vars')} rows={s.get('num_rows')}"
-            )
-        if self.timings:
-            lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def regather_line(plan: "Plan") -> str:
-    """`gathered parameters: layers.0-6 gather again (2 of them from a kept sharded copy);
-    root, layers.7 keep (+0.12 ms)`: which units the backward gathers again, those that keep
-    a sharded copy and gather it themselves (report.backward_gathers), and the time the
-    made-again gathers add."""
-    made_again = plan.regathered or {}
-    gathers = plan.backward_gathers or made_again
-    by_placement = [u for u, yes in gathers.items() if yes and not made_again.get(u)]
-    line = f"gathered parameters: {describe_units(gathers)}"
-    if by_placement:
-        line += f" ({len(by_placement)} of them from a kept sharded copy)"
-    us = plan.predicted.get("regather_us", 0.0)
-    return line + (f" (+{us / 1e3:.2f} ms)" if us else "")
-
-
-def memory_line(pred: dict) -> str:
-    """`predicted peak per rank 1.23 GiB (where) = parameters ... + backward working set ...`
-    from a plan's predictions (memory.py)."""
-    parts = [
-        ("parameters", "param_bytes_per_rank"),
-        ("gradients", "grad_bytes_per_rank"),
-        ("optimizer", "optim_bytes_per_rank"),
-        ("saved activations", "activation_bytes_per_rank"),
-        ("backward working set", "transient_bytes_per_rank"),
-    ]
-    gib = lambda k: pred.get(k, 0.0) / 2**30  # noqa: E731
-    where = f" ({pred['peak_where']})" if pred.get("peak_where") else ""
-    return f"predicted peak per rank {gib('peak_bytes_per_rank'):.3f} GiB{where} = " + " + ".join(
-        f"{name} {gib(key):.3f}" for name, key in parts
-    )
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

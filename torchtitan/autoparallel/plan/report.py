@@ -7,22 +7,67 @@ from __future__ import annotations
 from ..cost.memory import param_chains, plan_memory
 from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge, GradEdge, HubEdge
+from ..solve.problem import PlanningProblem
 from ..solve.program import Solution
 from ..strategies.table import StrategyTable
 from ..trace.joint import TracedGraph
 from .plan import Plan, graph_fingerprint
 
 
-def solution_to_plan(autop, sol: Solution) -> Plan:
+def solution_to_plan(problem: PlanningProblem, sol: Solution, timings: dict[str, float]) -> Plan:
     """The plan the solver chose, for the whole model (a shallow trace's parameters read
     off the traced ones standing for them), with its predictions and solver facts."""
-    tg, table = autop.tg, autop.table
+    tg, table, mesh = problem.tg, problem.table, problem.mesh
     pick = lambda node: table.nodes[node].strategies[sol.choice[node]]  # noqa: E731
+    # parameters and buffers of the whole model, each read off the traced one standing for it
+    full_params = list(problem.model.param_shapes)
+    traced = problem.traced_name
+    grads = {f: P.fmt(pl) for f, pl in sol.grad_placement.items()}
+    comm_per_param = param_comm(tg, table, sol)
+    regather = problem.regather
+    return Plan(
+        mesh_shape=list(mesh.shape),
+        mesh_dim_names=list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)]),
+        params={f: P.fmt(pick(tg.params[traced(f)]).out[0]) for f in full_params},
+        grads={f: grads[traced(f)] for f in full_params if traced(f) in grads},
+        buffers={
+            f: P.fmt(pick(tg.buffers[traced(f)]).out[0])
+            for f in problem.model.buffer_names
+            if traced(f) in tg.buffers
+        },
+        inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
+        outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
+        nodes=_node_entries(tg, table, sol),
+        param_shapes={f: list(s) for f, s in problem.model.param_shapes.items()},
+        param_comm_us={
+            f: comm_per_param[traced(f)] for f in full_params if traced(f) in comm_per_param
+        },
+        predicted=_predicted(problem, sol),
+        solver={
+            "status": sol.status,
+            "optimal": sol.optimal,
+            "gap": sol.gap,
+            "objective": sol.objective,
+            "num_vars": sol.num_vars,
+            "num_rows": sol.num_rows,
+        },
+        timings=dict(timings),
+        graph_fingerprint=graph_fingerprint(tg.gm),
+        blocks=[b.to_json() for b in problem.blocks] if tg.shallow else [],
+        recompute=problem.recompute_policies(sol.recompute),
+        regathered=regather.model_units(sol.regathered),
+        backward_gathers=regather.model_units(backward_gathers(tg, table, sol)),
+    )
+
+
+def _node_entries(tg: TracedGraph, table: StrategyTable, sol: Solution) -> dict[str, dict]:
+    """Per graph node: the placements its inputs are redistributed to, its outputs', the
+    hubs of values several consumers share, and its block label on a shallow trace."""
     nodes = {}
     for node, ns in table.nodes.items():
         if node.op != "call_function":
             continue
-        st = pick(node)
+        st = ns.strategies[sol.choice[node]]
         nodes[node.name] = {
             "op": str(node.target),
             "ins": [P.fmt(p) for p in st.ins],
@@ -33,6 +78,11 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
             nodes[node.name]["hubs"] = [P.fmt(h) if h is not None else "-" for h in hubs]
         if tg.shallow:
             nodes[node.name]["block"] = tg.labels.get(node)
+    return nodes
+
+
+def _forward_backward_comm(tg: TracedGraph, sol: Solution) -> tuple[float, float]:
+    """Predicted communication of the forward and of the backward (every block counted)."""
     fwd_comm = bwd_comm = 0.0
     for key, us in sol.edge_comm.items():
         if isinstance(key, (ConsumerEdge, HubEdge)):
@@ -47,73 +97,46 @@ def solution_to_plan(autop, sol: Solution) -> Plan:
             fwd_comm += us
         else:
             bwd_comm += us
-    comm_per_param = param_comm(tg, table, sol)
+    return fwd_comm, bwd_comm
+
+
+def _predicted(problem: PlanningProblem, sol: Solution) -> dict[str, float]:
+    """The plan's predicted figures: time split by kind, parameter fraction, memory."""
+    tg, table = problem.tg, problem.table
+    fwd_comm, bwd_comm = _forward_backward_comm(tg, sol)
     nbytes = lambda n: n.meta["val"].numel() * n.meta["val"].element_size() * tg.weight(n)  # noqa: E731
     total = sum(nbytes(n) for n in tg.params.values())
     local = sum(
-        nbytes(n) * P.shard_fraction(n.meta["val"].shape, pick(n).out[0], table.mesh_shape)
+        nbytes(n)
+        * P.shard_fraction(
+            n.meta["val"].shape,
+            table.nodes[n].strategies[sol.choice[n]].out[0],
+            table.mesh_shape,
+        )
         for n in tg.params.values()
     )
-    names = list(autop.mesh.mesh_dim_names or [f"dim{i}" for i in range(autop.mesh.ndim)])
-    # parameters and buffers of the whole model, each read off the traced one standing for it
-    full_params = list(autop.param_shapes())
-    full_buffers = [f for f, _b in autop.model.named_buffers()]
-    traced = autop._traced_name
-    grads = {f: P.fmt(pl) for f, pl in sol.grad_placement.items()}
-    return Plan(
-        mesh_shape=list(autop.mesh.shape),
-        mesh_dim_names=names,
-        params={f: P.fmt(pick(tg.params[traced(f)]).out[0]) for f in full_params},
-        grads={f: grads[traced(f)] for f in full_params if traced(f) in grads},
-        buffers={
-            f: P.fmt(pick(tg.buffers[traced(f)]).out[0])
-            for f in full_buffers
-            if traced(f) in tg.buffers
-        },
-        inputs=[P.fmt(pick(n).out[0]) for n in tg.inputs],
-        outputs=[P.fmt(sol.sink_placement[i]) for i in range(len(tg.outputs))],
-        nodes=nodes,
-        param_shapes=autop.param_shapes(),
-        param_comm_us={
-            f: comm_per_param[traced(f)] for f in full_params if traced(f) in comm_per_param
-        },
-        predicted={
-            "compute_us": sol.compute_us,
-            "comm_us": sol.comm_us,
-            # parameter gathers / gradient reductions hide behind up to
-            # overlap_efficiency x compute; activation communication is exposed
-            "overlappable_comm_us": sol.overlappable_comm_us,
-            "exposed_comm_us": sol.exposed_comm_us,
-            "recompute_us": sol.recompute_us,
-            "regather_us": sol.regather_us,
-            "step_us": sol.compute_us + sol.recompute_us + sol.exposed_comm_us,
-            "fwd_comm_us": fwd_comm,
-            "bwd_comm_us": bwd_comm,
-            "param_fraction": (local / total) if total else 1.0,
-            **plan_memory(
-                tg,
-                table,
-                sol.choice,
-                regather=autop.solver.regather,
-                counts=sol.recompute,
-                regathered=sol.regathered,
-            ),
-        },
-        solver={
-            "status": sol.status,
-            "optimal": sol.optimal,
-            "gap": sol.gap,
-            "objective": sol.objective,
-            "num_vars": sol.num_vars,
-            "num_rows": sol.num_rows,
-        },
-        timings=dict(autop.timings),
-        graph_fingerprint=graph_fingerprint(tg.gm),
-        blocks=[b.to_json() for b in autop.blocks] if tg.shallow else [],
-        recompute=autop.recompute_policies(sol.recompute),
-        regathered=autop.solver.regather.model_units(sol.regathered),
-        backward_gathers=autop.solver.regather.model_units(backward_gathers(tg, table, sol)),
-    )
+    return {
+        "compute_us": sol.compute_us,
+        "comm_us": sol.comm_us,
+        # parameter gathers / gradient reductions hide behind up to
+        # overlap_efficiency x compute; activation communication is exposed
+        "overlappable_comm_us": sol.overlappable_comm_us,
+        "exposed_comm_us": sol.exposed_comm_us,
+        "recompute_us": sol.recompute_us,
+        "regather_us": sol.regather_us,
+        "step_us": sol.compute_us + sol.recompute_us + sol.exposed_comm_us,
+        "fwd_comm_us": fwd_comm,
+        "bwd_comm_us": bwd_comm,
+        "param_fraction": (local / total) if total else 1.0,
+        **plan_memory(
+            tg,
+            table,
+            sol.choice,
+            regather=problem.regather,
+            counts=sol.recompute,
+            regathered=sol.regathered,
+        ),
+    }
 
 
 def param_comm(tg: TracedGraph, table: StrategyTable, sol: Solution) -> dict[str, float]:

@@ -29,30 +29,21 @@ as the unit's re-gather decision says (regather.py), for any reader (`recompute_
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
+from torchtitan.recompute_ops import KEPT_BY_SELECTIVE
+
 from ..errors import PlannerError
 from ..ops import attention  # noqa: F401  (registers titan::sdpa)
-from ..trace.repeat import LABEL_KEY
+from ..trace.repeat import LABEL_KEY, MIN_BLOCKS, RepeatedBlocks
 
 POLICIES = ("none", "selective", "full")
 
-_aten = torch.ops.aten
-_KEPT_BY_SELECTIVE = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.baddbmm.default,
-    _aten._scaled_mm.default,
-    _aten.convolution.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.titan.sdpa.default,
-}
+# the selective ops, and our attention op (ops/attention.py), which stands for them
+_KEPT_BY_SELECTIVE = KEPT_BY_SELECTIVE | {torch.ops.titan.sdpa.default}
 
 
 def check_policy(policy: str) -> str:
@@ -204,3 +195,68 @@ def describe_policies(policies: dict[str, str]) -> str:
     return ", ".join(
         f"{c}#{a}{'' if a == b else f'-{b}'} {p}" if a >= 0 else f"{c} {p}" for c, a, b, p in runs
     )
+
+
+def check_setting(recompute: str | Mapping[str, str]) -> str | dict[str, str]:
+    """A `recompute` setting checked: a policy name, "auto", or block label -> policy."""
+    if isinstance(recompute, Mapping):
+        return {str(b): check_policy(p) for b, p in recompute.items()}
+    return recompute if recompute == "auto" else check_policy(recompute)
+
+
+def block_classes(blocks: Sequence[RepeatedBlocks], shallow: bool) -> list[tuple[str, str]]:
+    """(label of each block of the whole model, label of the traced block standing for it)."""
+    out = []
+    for b in blocks:
+        for i in range(len(b.keys)):
+            j = b.representative(i) if shallow else i
+            out.append((f"{b.container}#{i}", f"{b.container}#{j}"))
+    return out
+
+
+def solver_setting(
+    recompute: str | Mapping[str, str], blocks: Sequence[RepeatedBlocks], shallow: bool
+) -> str | dict[str, dict[str, int]]:
+    """The program's recompute setting (solve/recompute_choices.py) for one trace: a policy
+    for every block, "auto", or per traced block how many of the blocks it stands for follow
+    each policy."""
+    if recompute in ("none", "auto") and not blocks:
+        return "none"
+    if not blocks:
+        raise PlannerError(
+            f"recompute={recompute!r} recomputes repeated blocks, and the model has "
+            f"no stack of {MIN_BLOCKS} or more identical blocks (or "
+            "share_repeated=False); use recompute='none'"
+        )
+    if isinstance(recompute, str):
+        return recompute
+    classes = block_classes(blocks, shallow)
+    known = {lab for lab, _cls in classes}
+    unknown = sorted(set(recompute) - known)
+    if unknown:
+        raise PlannerError(
+            f"recompute names block {unknown[0]!r}, which the model does not have; its "
+            f"blocks are {sorted(known)[0]} ... {sorted(known)[-1]}"
+        )
+    counts: dict[str, dict[str, int]] = {}
+    for lab, cls in classes:
+        p = recompute.get(lab, "none")
+        counts.setdefault(cls, {}).setdefault(p, 0)
+        counts[cls][p] += 1
+    return counts
+
+
+def whole_model_policies(
+    recompute: str | Mapping[str, str],
+    counts: dict[str, dict[str, int]],
+    blocks: Sequence[RepeatedBlocks],
+    shallow: bool,
+) -> dict[str, str]:
+    """Each block's policy in the whole model, for the solver's per traced block `counts`
+    (a pinned dict is returned as given)."""
+    if not counts:
+        return {}
+    classes = block_classes(blocks, shallow)
+    if isinstance(recompute, Mapping):
+        return {lab: recompute.get(lab, "none") for lab, _cls in classes}
+    return {lab: next(iter(counts[cls])) for lab, cls in classes}

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
 
+from ..errors import ConstraintError
 from ..graph import placements as P
+from ..trace.joint import TracedGraph
 
 
 @dataclass(frozen=True)
@@ -45,3 +51,113 @@ class MemoryBudget:
 
 
 UserConstraint = Pin | OutputPin | ParameterBudget | MemoryBudget
+
+
+# ---------------------------------------------------------------------------- from user input
+def check_placements(what: str, pl: Sequence[Placement], mesh: DeviceMesh) -> P.Placements:
+    """`pl` as a placement tuple for `mesh`, or a `ConstraintError` naming `what`."""
+    if not isinstance(pl, (list, tuple)) or not all(isinstance(p, Placement) for p in pl):
+        raise ConstraintError(f"{what}: expected a tuple of Placement objects, got {pl!r}")
+    if len(pl) != mesh.ndim:
+        raise ConstraintError(
+            f"{what}: {len(pl)} placement(s) {P.fmt(pl)} for a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}"
+        )
+    for p in pl:
+        if p.is_partial():
+            raise ConstraintError(f"{what}: Partial is not allowed in a pin ({P.fmt(pl)})")
+    return tuple(pl)
+
+
+def parameter_budget(low: float | None, high: float | None, world: int) -> ParameterBudget:
+    """Parameter bytes per rank as a fraction of all of them; `high=None` is 1/world."""
+    if high is None:
+        high = 1.0 / world
+    for name, v in (("low", low), ("high", high)):
+        if v is not None and not (0.0 <= v <= 1.0):
+            raise ConstraintError(f"parameter memory {name}={v} must be in [0, 1]")
+    if low is not None and low > high:
+        raise ConstraintError(f"parameter memory low={low} > high={high}")
+    return ParameterBudget(f"parameter memory budget low={low} high={high:.4g}", low, high)
+
+
+def memory_budget(bytes_per_rank: int | float) -> MemoryBudget:
+    if not bytes_per_rank or bytes_per_rank <= 0:
+        raise ConstraintError(
+            f"memory budget must be a positive number of bytes, got {bytes_per_rank}"
+        )
+    return MemoryBudget(
+        f"memory budget {bytes_per_rank / 2**30:.4g} GiB per rank", float(bytes_per_rank)
+    )
+
+
+def _pin_each(
+    what: str, count: int, placements: Sequence[Sequence[Placement] | None], mesh: DeviceMesh
+) -> list[tuple[int, P.Placements]]:
+    if len(placements) != count:
+        raise ConstraintError(f"add_{what}_constraints: {len(placements)} pins for {count} {what}s")
+    return [
+        (i, check_placements(f"{what} {i}", pl, mesh))
+        for i, pl in enumerate(placements)
+        if pl is not None
+    ]
+
+
+def input_pins(
+    tg: TracedGraph, mesh: DeviceMesh, placements: Sequence[Sequence[Placement] | None]
+) -> list[Pin]:
+    """One pin per input given a placement tuple (None leaves that input free)."""
+    pins = []
+    for i, pl in _pin_each("input", len(tg.inputs), placements, mesh):
+        _check_even_split(tg, mesh, i, pl)
+        pins.append(Pin(f"input {i} pinned to {P.fmt(pl)}", tg.inputs[i], pl))
+    return pins
+
+
+def output_pins(
+    tg: TracedGraph, mesh: DeviceMesh, placements: Sequence[Sequence[Placement] | None]
+) -> list[OutputPin]:
+    """One pin per forward output given a placement tuple (None leaves it free)."""
+    return [
+        OutputPin(f"output {i} pinned to {P.fmt(pl)}", i, pl)
+        for i, pl in _pin_each("output", len(tg.outputs), placements, mesh)
+    ]
+
+
+def parameter_pin(
+    tg: TracedGraph,
+    mesh: DeviceMesh,
+    fqn: str,
+    traced: str,
+    placements: Sequence[Placement],
+    existing: Sequence[UserConstraint],
+) -> Pin | None:
+    """The pin of parameter `fqn` (traced as `traced`); None when an identical repeated
+    block's parameter is pinned the same way already, an error when differently."""
+    pl = check_placements(f"parameter '{fqn}'", placements, mesh)
+    node = tg.params[traced]
+    for c in existing:
+        if isinstance(c, Pin) and c.node is node:
+            if c.placement != pl:
+                raise ConstraintError(
+                    f"parameter '{fqn}' pinned to {P.fmt(pl)}, but {c.name}: identical "
+                    "repeated blocks share one placement (use share_repeated=False)"
+                )
+            return None
+    return Pin(f"parameter '{fqn}' pinned to {P.fmt(pl)}", node, pl)
+
+
+def _check_even_split(tg: TracedGraph, mesh: DeviceMesh, i: int, pl: P.Placements) -> None:
+    """An input split unevenly (a batch of 6 on 4 ranks) would make every rank's mean
+    loss weigh its rows differently from one process: refuse it."""
+    shape = tg.inputs[i].meta["val"].shape
+    names = mesh.mesh_dim_names or [f"dim{k}" for k in range(mesh.ndim)]
+    for d in range(len(shape)):
+        dims = [k for k, p in enumerate(pl) if isinstance(p, Shard) and p.dim == d]
+        ways = math.prod(mesh.shape[k] for k in dims)
+        if ways > 1 and shape[d] % ways:
+            raise ConstraintError(
+                f"input {i} dim {d} has size {shape[d]}, which the {ways} ranks of mesh "
+                f"dim(s) {', '.join(names[k] for k in dims)} cannot split evenly; use a "
+                f"size divisible by {ways}"
+            )

@@ -148,36 +148,17 @@ class Milp:
         where HiGHS's root cuts on the whole program took 15 s.
         """
         t_end = time.perf_counter() + float(time_limit)
-        h = _highs(verbose)
-        h.setOptionValue("time_limit", float(time_limit))
-        h.setOptionValue("presolve", "off")
-        h.passModel(self._lp())
-        if os.environ.get("AUTOPARALLEL_WRITE_MODEL"):
-            h.writeModel(os.environ["AUTOPARALLEL_WRITE_MODEL"])
         Status = highspy.HighsModelStatus
-        h.run()
-        status = h.getModelStatus()
+        status, bound, x, reduced_cost = self._relaxation(time_limit, verbose)
         if status == Status.kInfeasible:
             return status, None, None, "LP", None
         upper = np.asarray(self.ub, dtype=float)
         if status != Status.kOptimal:  # no usable bound: the whole program
             return self._branch_and_bound(upper, None, verbose, rel_gap, t_end)
-        bound = h.getInfo().objective_function_value
-        x = np.asarray(h.getSolution().col_value)
-        reduced_cost = np.asarray(h.getSolution().col_dual)
-        lower = np.asarray(self.lb, dtype=float)
-        near = upper.copy()
-        undecided = 0
-        for gi, g in enumerate(self.groups):
-            k = int(np.argmax(x[g]))
-            if x[g[k]] > 1.0 - 1e-6:
-                if gi not in self.free_groups:
-                    near[g] = 0.0
-                    near[g[k]] = 1.0
-            else:
-                undecided += 1
+        near, undecided = self._decided(x)
         if not undecided:
             return Status.kOptimal, list(x), bound, "LP (integral)", 0.0
+        lower = np.asarray(self.lb, dtype=float)
         # a heuristic program: the columns that matter near the bound (a guess,
         # HEURISTIC_SLACK) first, the decided groups alone if that holds no plan
         for slack in (HEURISTIC_SLACK * abs(bound), math.inf):
@@ -195,24 +176,60 @@ class Milp:
             status,
             obj,
         )
-        if start is not None and (obj - bound) <= rel_gap * abs(obj):
+        if start is None:
+            return self._branch_and_bound(upper, None, verbose, rel_gap, t_end)
+        if (obj - bound) <= rel_gap * abs(obj):
             return Status.kOptimal, start, obj, "LP + fixing", (obj - bound) / max(abs(obj), 1e-9)
-        if start is not None:
-            upper = self._unfix(_reduced_cost_fixing(x, reduced_cost, lower, upper, obj - bound))
-            log.info(
-                "reduced-cost fixing: %d of %d columns can be 1 in a plan cheaper than %.3f",
-                int(np.sum(upper > 0)),
-                len(upper),
-                obj,
-            )
-        if start is not None:
-            t_end = min(t_end, time.perf_counter() + proof_limit)
+        upper = self._unfix(_reduced_cost_fixing(x, reduced_cost, lower, upper, obj - bound))
+        log.info(
+            "reduced-cost fixing: %d of %d columns can be 1 in a plan cheaper than %.3f",
+            int(np.sum(upper > 0)),
+            len(upper),
+            obj,
+        )
+        t_end = min(t_end, time.perf_counter() + proof_limit)
         status, values, obj2, how, gap = self._branch_and_bound(
             upper, start, verbose, rel_gap, t_end
         )
-        if start is not None and values is not None and int(np.sum(upper > 0)) < len(upper):
+        if values is not None and int(np.sum(upper > 0)) < len(upper):
             how = "reduced-cost fixing + branch and bound"
         return status, values, obj2, how, gap
+
+    def _relaxation(self, time_limit: float, verbose: bool):
+        """The LP relaxation: (status, bound, column values, reduced costs); the last three
+        None unless it solved to optimality."""
+        h = _highs(verbose)
+        h.setOptionValue("time_limit", float(time_limit))
+        h.setOptionValue("presolve", "off")
+        h.passModel(self._lp())
+        if os.environ.get("AUTOPARALLEL_WRITE_MODEL"):
+            h.writeModel(os.environ["AUTOPARALLEL_WRITE_MODEL"])
+        h.run()
+        status = h.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal:
+            return status, None, None, None
+        solution = h.getSolution()
+        return (
+            status,
+            h.getInfo().objective_function_value,
+            np.asarray(solution.col_value),
+            np.asarray(solution.col_dual),
+        )
+
+    def _decided(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """Upper bounds fixing every one-hot group the relaxation `x` decided (except
+        `free_groups`) to its choice, and how many groups it left fractional."""
+        near = np.asarray(self.ub, dtype=float).copy()
+        undecided = 0
+        for gi, g in enumerate(self.groups):
+            k = int(np.argmax(x[g]))
+            if x[g[k]] > 1.0 - 1e-6:
+                if gi not in self.free_groups:
+                    near[g] = 0.0
+                    near[g[k]] = 1.0
+            else:
+                undecided += 1
+        return near, undecided
 
     def _unfix(self, upper: np.ndarray) -> np.ndarray:
         cols = list(self.unfixable)

@@ -15,48 +15,42 @@ import time
 import highspy
 import torch.fx as fx
 
-from ..cost.model import Estimator
 from ..errors import InfeasiblePlanError, PlannerError
-from ..graph.edge_keys import ConsumerEdge
-from ..policies.regather import Regather
-from ..strategies.table import StrategyTable
-from ..trace.joint import TracedGraph
 from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin, UserConstraint
-from .prices import GraphPrices
+from .problem import PlanningProblem
 from .program import PlacementProgram, Solution
 
 log = logging.getLogger(__name__)
 
 
 class PlacementSolver:
-    """Builds and solves the 0/1 program for one traced graph, strategy table and cost model.
+    """Builds and solves the 0/1 program of one planning problem (problem.py): its prices,
+    its keep-or-gather-again and recompute settings, its constraints and limits."""
 
-    `no_comm_edges`: consumer edges on which no redistribution may happen (mixed-precision
-    casts); `regather`: which parameters the backward gathers again, or leaves to the solver
-    (regather.py); `recompute`: "auto" (the solver chooses each repeated block's activation
-    recompute policy), one policy for all, or pinned per traced block (recompute_program.py).
-    """
+    def __init__(self, problem: PlanningProblem):
+        self.prices = problem.prices
+        self.regather = problem.regather
+        self.recompute = problem.recompute
+        self.problem = problem
 
-    def __init__(
-        self,
-        tg: TracedGraph,
-        table: StrategyTable,
-        est: Estimator,
-        no_comm_edges: frozenset[ConsumerEdge] = frozenset(),
-        regather: Regather = Regather(),
-        recompute: str | dict[str, dict[str, int]] = "none",
-    ):
-        self.prices = GraphPrices(tg, table, est, no_comm_edges)
-        self.regather = regather
-        self.recompute = recompute
+    def solve(self, verbose: bool = False) -> Solution:
+        """The cheapest plan under the problem's constraints; on an infeasible program, an
+        `InfeasiblePlanError` naming a minimal conflicting set of them."""
+        p = self.problem
+        return self._solve(
+            list(p.constraints),
+            p.settings.time_limit,
+            verbose,
+            dict(p.rep) if p.rep is not None else None,
+            p.settings.proof_limit,
+        )
 
-    # ------------------------------------------------------------------
-    def solve(
+    def _solve(
         self,
         constraints: list[UserConstraint],
-        time_limit: float = 120.0,
-        verbose: bool = False,
-        rep: dict[fx.Node, fx.Node] | None = None,
+        time_limit: float,
+        verbose: bool,
+        rep: dict[fx.Node, fx.Node] | None,
         proof_limit: float = math.inf,
     ) -> Solution:
         """The cheapest plan under `constraints`; `rep` maps each node to the representative

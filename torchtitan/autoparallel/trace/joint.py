@@ -159,6 +159,46 @@ def trace_joint(
     notes = repeat.block_labels(fake_model, containers) + [
         (mod, {MODULE_KEY: fqn or type(model).__name__}) for fqn, mod in fake_model.named_modules()
     ]
+    args, flat_inputs, input_spec = _example_inputs(input_fn, fake_mode)
+    traced_mod: nn.Module = fake_model
+    if param_dtype is not None:
+        traced_mod = _CastParams(fake_model, param_dtype)
+    joint = _export(traced_mod, args, notes)
+    gm = joint.graph_module
+    _check_outputs(gm.graph)
+    _reject_random_ops(gm.graph)
+    roles = _roles(gm.graph, "inner." if param_dtype is not None else "")
+    _merge_tied(gm.graph, roles.params, roles.grads, fake_model)  # after the last lookup
+    if len(roles.inputs) != len(flat_inputs):
+        raise PlannerError(
+            f"traced graph has {len(roles.inputs)} input placeholders for "
+            f"{len(flat_inputs)} inputs "
+            "(an input is unused or aliased)"
+        )
+    needs_grad = [n for n, p in model.named_parameters() if p.requires_grad]
+    if needs_grad and all(g is None for g in roles.grads.values()):
+        raise PlannerError("traced graph has no backward: no parameter received a gradient")
+
+    tg = TracedGraph(
+        gm=gm,
+        params=roles.params,
+        buffers=roles.buffers,
+        inputs=roles.inputs,
+        outputs=roles.outputs,
+        tangents=roles.tangents,
+        grads=roles.grads,
+        input_spec=input_spec,
+        output_spec=getattr(joint, "out_spec", None),
+        param_dtype=param_dtype,
+    )
+    tg.forward_nodes = forward_nodes(tg)
+    if blocks:
+        _label_blocks(tg, fake_model, blocks, shallow)
+    return tg
+
+
+def _example_inputs(input_fn: Callable[[], Any], fake_mode: FakeTensorMode):
+    """`input_fn()` under the fake mode: (args tuple, flat tensors, their pytree spec)."""
     with fake_mode:
         inputs = input_fn()
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -166,13 +206,11 @@ def trace_joint(
     for i, x in enumerate(flat_inputs):
         if not isinstance(x, torch.Tensor):
             raise PlannerError(f"input_fn must return tensors; input {i} is {type(x).__name__}")
+    return args, flat_inputs, input_spec
 
-    traced_mod: nn.Module = fake_model
-    prefix = ""
-    if param_dtype is not None:
-        traced_mod = _CastParams(fake_model, param_dtype)
-        prefix = "inner."
 
+def _export(traced_mod: nn.Module, args: tuple, notes: list):
+    """The joint forward+backward of `traced_mod` on `args`, nodes annotated with `notes`."""
     with contextlib.ExitStack() as stack, route_attention():
         stack.enter_context(fx_traceback.preserve_node_meta())
         # model code that asks "am I being compiled?" gets yes, as under torch.compile, so
@@ -182,67 +220,56 @@ def trace_joint(
         stack.enter_context(compile_session_context())
         stack.enter_context(_annotating(notes))
         try:
-            joint = aot_export_joint_with_descriptors(stack, traced_mod, args)
+            return aot_export_joint_with_descriptors(stack, traced_mod, args)
         except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
             raise PlannerError(_data_dependent_message(e)) from None
-        gm = joint.graph_module
-    graph = gm.graph
+
+
+@dataclass
+class _Roles:
+    params: dict[str, fx.Node]
+    buffers: dict[str, fx.Node]
+    grads: dict[str, fx.Node | None]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    tangents: list[fx.Node | None]
+
+
+def _roles(graph: fx.Graph, prefix: str) -> _Roles:
+    """The placeholders and outputs of the joint graph by role, from AOT's descriptors
+    (parameter names without the `prefix` of a cast wrapper)."""
 
     def strip(fqn: str) -> str:
         return fqn[len(prefix) :] if prefix and fqn.startswith(prefix) else fqn
 
-    _check_outputs(graph)
-    _reject_random_ops(graph)
-    params = {strip(k): v for k, v in fx_utils.get_named_param_nodes(graph).items()}
-    buffers = {strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()}
     grads: dict[str, fx.Node | None] = {}
     for desc, (_p, g) in fx_utils.get_param_and_grad_nodes(graph).items():
         grads[strip(desc.target)] = g
-    inputs_nodes = [
-        n
-        for _d, (n, _g) in sorted(
-            fx_utils.get_plain_input_and_grad_nodes(graph).items(), key=lambda kv: kv[0].idx
-        )
-    ]
+    inputs = sorted(
+        fx_utils.get_plain_input_and_grad_nodes(graph).items(), key=lambda kv: kv[0].idx
+    )
     outs = sorted(
         fx_utils.get_plain_output_and_tangent_nodes(graph).items(), key=lambda kv: kv[0].idx
     )
-    outputs = [o for _d, (o, _t) in outs]
-    tangents = [t for _d, (_o, t) in outs]
-    _merge_tied(graph, params, grads, fake_model)  # after the last descriptor lookup
-    if len(inputs_nodes) != len(flat_inputs):
-        raise PlannerError(
-            f"traced graph has {len(inputs_nodes)} input placeholders for "
-            f"{len(flat_inputs)} inputs "
-            "(an input is unused or aliased)"
-        )
-    needs_grad = [n for n, p in model.named_parameters() if p.requires_grad]
-    if needs_grad and all(g is None for g in grads.values()):
-        raise PlannerError("traced graph has no backward: no parameter received a gradient")
-
-    tg = TracedGraph(
-        gm=gm,
-        params=params,
-        buffers=buffers,
-        inputs=inputs_nodes,
-        outputs=outputs,
-        tangents=tangents,
+    return _Roles(
+        params={strip(k): v for k, v in fx_utils.get_named_param_nodes(graph).items()},
+        buffers={strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()},
         grads=grads,
-        input_spec=input_spec,
-        output_spec=getattr(joint, "out_spec", None),
-        param_dtype=param_dtype,
+        inputs=[n for _d, (n, _g) in inputs],
+        outputs=[o for _d, (o, _t) in outs],
+        tangents=[t for _d, (_o, t) in outs],
     )
-    tg.forward_nodes = forward_nodes(tg)
-    if blocks:
-        names = {n: f for f, n in {**params, **buffers}.items()}
-        keys = {
-            c: [k for k, _m in fake_model.get_submodule(c).named_children()] for c in containers
-        }
-        tg.blocks, tg.shallow = blocks, shallow
-        tg.labels = repeat.read_labels(gm, names, containers, keys)
-        if shallow:
-            tg.weights = repeat.weights_of(tg.labels, blocks)
-    return tg
+
+
+def _label_blocks(tg: TracedGraph, fake_model: nn.Module, blocks: list, shallow: bool) -> None:
+    """Block labels of the nodes of repeated blocks, and weights on a shallow trace."""
+    containers = [b.container for b in blocks]
+    names = {n: f for f, n in {**tg.params, **tg.buffers}.items()}
+    keys = {c: [k for k, _m in fake_model.get_submodule(c).named_children()] for c in containers}
+    tg.blocks, tg.shallow = blocks, shallow
+    tg.labels = repeat.read_labels(tg.gm, names, containers, keys)
+    if shallow:
+        tg.weights = repeat.weights_of(tg.labels, blocks)
 
 
 _PLANNER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the whole package

@@ -1,8 +1,6 @@
-"""Plans for people: grouped parameter rows, the one-line summary, an HTML page.
-
-`Plan.summary()` (plan.py) is the short form the trainer logs; these are the longer views
-`scripts/plan.py` prints and writes.
-"""
+"""Plans for people, all display in one place: the short summary the trainer logs
+(`plan_summary`), the full table (`plan_table`), grouped parameter rows, the one-line
+summary and the HTML page `scripts/plan.py` prints and writes."""
 
 from __future__ import annotations
 
@@ -12,8 +10,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..policies.recompute import describe_policies
+from ..policies.regather import describe_units
 from ..trace.repeat import name_pattern
-from .plan import Plan, regather_line
+from .plan import Plan
 
 
 def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
@@ -158,3 +157,106 @@ def write_html(
             )
         out.append("</table>")
     path.write_text("\n".join(out))
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line per distinct (parameter pattern, placement): repeated layers collapse."""
+    groups: dict[tuple[str, str], int] = {}
+    for fqn, placement in plan.params.items():
+        pattern = name_pattern(fqn)
+        groups[(pattern, placement)] = groups.get((pattern, placement), 0) + 1
+    width = max((len(p) for p, _ in groups), default=0)
+    dims = ",".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+    lines = [f"plan on mesh ({dims}); placement per mesh dim:"]
+    lines += [
+        f"  {p.ljust(width)}  {pl}" + (f"  (x{n})" if n > 1 else "")
+        for (p, pl), n in groups.items()
+    ]
+    pred = plan.predicted
+    lines.append(
+        f"  predicted: compute {pred.get('compute_us', 0) / 1e3:.2f} ms, communication "
+        f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
+        f"{pred.get('param_fraction', 1.0):.3f} of full"
+    )
+    if plan.recompute:
+        lines.append(
+            f"  recompute: {describe_policies(plan.recompute)} "
+            f"(+{pred.get('recompute_us', 0) / 1e3:.2f} ms)"
+        )
+    if plan.regathered:
+        lines.append("  " + regather_line(plan))
+    if "peak_bytes_per_rank" in pred:
+        lines.append("  " + memory_line(pred))
+    return "\n".join(lines)
+
+
+def plan_table(plan: Plan) -> str:
+    """Every parameter's placement per mesh dim and predicted communication, then the
+    predicted step, the solver's facts and the stage timings."""
+    names = plan.mesh_dim_names
+    head = (
+        ["parameter", "shape"] + [f"{n}({s})" for n, s in zip(names, plan.mesh_shape)] + ["comm ms"]
+    )
+    rows = [head]
+    for fqn, pl in plan.params.items():
+        parts = pl.split(",")
+        comm = plan.param_comm_us.get(fqn)
+        rows.append(
+            [fqn, "x".join(map(str, plan.param_shapes.get(fqn, [])))]
+            + parts
+            + ["-" if comm is None else f"{comm / 1e3:.3f}"]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    p = plan.predicted
+    lines.append("")
+    lines.append(f"inputs: {plan.inputs}   outputs: {plan.outputs}")
+    lines.append(
+        f"predicted step: compute {p.get('compute_us', 0) / 1e3:.3f} ms, "
+        f"communication {p.get('comm_us', 0) / 1e3:.3f} ms "
+        f"(forward {p.get('fwd_comm_us', 0) / 1e3:.3f} ms, "
+        f"backward {p.get('bwd_comm_us', 0) / 1e3:.3f} ms); "
+        f"parameter memory per rank {p.get('param_fraction', 1.0):.4f} of full"
+    )
+    if plan.solver:
+        s = plan.solver
+        lines.append(
+            f"solver: {s.get('status')} optimal={s.get('optimal')} "
+            f"vars={s.get('num_vars')} rows={s.get('num_rows')}"
+        )
+    if plan.timings:
+        lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings.items()))
+    return "\n".join(lines)
+
+
+def regather_line(plan: Plan) -> str:
+    """`gathered parameters: layers.0-6 gather again (2 of them from a kept sharded copy);
+    root, layers.7 keep (+0.12 ms)`: which units the backward gathers again, those that keep
+    a sharded copy and gather it themselves (report.backward_gathers), and the time the
+    made-again gathers add."""
+    made_again = plan.regathered
+    gathers = plan.backward_gathers or made_again
+    by_placement = [u for u, yes in gathers.items() if yes and not made_again.get(u)]
+    line = f"gathered parameters: {describe_units(gathers)}"
+    if by_placement:
+        line += f" ({len(by_placement)} of them from a kept sharded copy)"
+    us = plan.predicted.get("regather_us", 0.0)
+    return line + (f" (+{us / 1e3:.2f} ms)" if us else "")
+
+
+def memory_line(pred: dict) -> str:
+    """`predicted peak per rank 1.23 GiB (where) = parameters ... + backward working set ...`
+    from a plan's predictions (memory.py)."""
+    parts = [
+        ("parameters", "param_bytes_per_rank"),
+        ("gradients", "grad_bytes_per_rank"),
+        ("optimizer", "optim_bytes_per_rank"),
+        ("saved activations", "activation_bytes_per_rank"),
+        ("backward working set", "transient_bytes_per_rank"),
+    ]
+    gib = lambda k: pred.get(k, 0.0) / 2**30  # noqa: E731
+    where = f" ({pred['peak_where']})" if pred.get("peak_where") else ""
+    return f"predicted peak per rank {gib('peak_bytes_per_rank'):.3f} GiB{where} = " + " + ".join(
+        f"{name} {gib(key):.3f}" for name, key in parts
+    )
