@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, PlannerError
 from torchtitan.autoparallel.cost.model import DEVICES
+from torchtitan.autoparallel.plan.display import plan_summary
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
@@ -185,7 +186,9 @@ def _parallelize(
         add_job_constraints(autop, names, loss_parallel, job_config)
         plan = autop.optimize_placement(broadcast=True, cache_dir=plan_cache_folder(job_config))
         parallel_model = autop.apply_placement(plan)
-    logger.info(f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan.summary()}")
+    logger.info(
+        f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan_summary(plan)}"
+    )
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms
