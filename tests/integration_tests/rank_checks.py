@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 

@@ -82,11 +82,11 @@ def check_node(node: fx.Node, ns, env, mesh) -> tuple[int, int, list[str]]:
             continue
         local = {n: local_input(env[n], mesh, pl) for n, pl in zip(inputs, st.ins)}
 
-        def arg(a):
+        def arg(a, local=local):
             if isinstance(a, fx.Node):
                 return local.get(a, env.get(a))
             if isinstance(a, (list, tuple)):
-                return type(a)(arg(x) for x in a)
+                return type(a)(arg(x, local) for x in a)
             return a
 
         out = node.target(

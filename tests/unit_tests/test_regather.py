@@ -40,7 +40,7 @@ def planned(mesh, reshard, budget=None, run=False):
         model, lambda: torch.zeros(SHAPE), mesh, cost_model="h100", reshard_after_forward=reshard
     ) as autop:
         autop.add_input_constraints([(Shard(0),)])
-        for fqn, p in model.named_parameters():
+        for fqn, _p in model.named_parameters():
             autop.add_parameter_constraint(fqn, (Shard(0),))
         if budget is not None:
             autop.add_memory_constraint(budget)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..graph.nodes import is_getitem, is_view, param_side
+from ..graph.nodes import arg_node, getitem_source, is_getitem, is_view, param_side
 from ..policies.recompute import backward_schedule, block_label, recompute_rule, split_saved
 from ..trace.joint import TracedGraph
 
@@ -93,10 +93,10 @@ def _value_key(a: fx.Node, backward: bool, recomputed: set) -> tuple:
     idx = 0
     while True:
         if is_getitem(a):
-            a, idx = a.args[0], a.args[1]
+            a, idx = getitem_source(a)
             continue
         if is_view(a):
-            a = a.args[0]
+            a = arg_node(a)
             continue
         break
     return (a, idx, backward and a in recomputed)

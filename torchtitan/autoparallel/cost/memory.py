@@ -46,14 +46,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..graph import placements as P
 from ..graph.nodes import is_view
-from ..policies.recompute import block_label, recompute_rule, split_saved
-from ..policies.regather import Regather
+from ..policies.recompute import block_label, labelled_blocks, recompute_rule, split_saved
+from ..policies.regather import NO_REGATHER, Regather
 from ..strategies.table import StrategyTable, resolve_source
 from ..trace.joint import TracedGraph
 from .liveness import BOUNDARY, backward_reads, parameter_valued, snapshots
@@ -76,6 +77,12 @@ class MemoryTerm:
     @property
     def key(self) -> tuple:
         return (self.kind, self.node, self.idx, self.arg)
+
+    @property
+    def copied_input(self) -> int:
+        """A copy term's input: the index into its node's sources."""
+        assert self.arg is not None, "not a copy term"
+        return self.arg
 
     @property
     def block(self) -> str | None:
@@ -108,6 +115,7 @@ class RowEntry:
             return 0
         if self.block is None:
             return self.weight
+        assert self.policy is not None  # set with `block`
         k = counts.get(self.block, {}).get(self.policy, 0)
         return k if self.saved else int(k > 0)
 
@@ -239,7 +247,7 @@ def memory_rows(
     tg: TracedGraph,
     table: StrategyTable,
     options: tuple[str, ...] = ("none",),
-    regather: Regather = Regather(),
+    regather: Regather = NO_REGATHER,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
 ) -> list[MemoryRow]:
     """The candidate peaks (module docstring) for plans whose blocks follow `options` and
@@ -345,7 +353,7 @@ def copy_fraction(term: MemoryTerm, table: StrategyTable, emitted, required) -> 
     """Local fraction held by a "copy" term when its edge goes emitted -> required."""
     if required is None or emitted == required:
         return 0.0
-    v = _source_value(table.nodes[term.node].sources[term.arg])
+    v = _source_value(table.nodes[term.node].sources[term.copied_input])
     return P.shard_fraction(v.shape, required, table.mesh_shape)
 
 
@@ -367,9 +375,9 @@ def entry_fraction(e: RowEntry, table: StrategyTable, choice: dict) -> float:
     if t.kind != "copy":
         return term_fraction(t, table, choice[t.node])
     ns = table.nodes[t.node]
-    src_node, src_idx = ns.sources[t.arg]
+    src_node, src_idx = ns.sources[t.copied_input]
     emitted = table.nodes[src_node].strategies[choice[src_node]].out[src_idx]
-    return copy_fraction(t, table, emitted, ns.strategies[choice[t.node]].ins[t.arg])
+    return copy_fraction(t, table, emitted, ns.strategies[choice[t.node]].ins[t.copied_input])
 
 
 def plan_memory(
@@ -377,7 +385,7 @@ def plan_memory(
     table: StrategyTable,
     choice: dict,
     optim_bytes_per_elem: int = ADAMW_BYTES_PER_ELEM,
-    regather: Regather = Regather(),
+    regather: Regather = NO_REGATHER,
     counts: dict[str, dict[str, int]] | None = None,
     regathered: frozenset[str] = frozenset(),
 ) -> dict:
@@ -386,7 +394,7 @@ def plan_memory(
     `regathered` again (of the parameters `regather` leaves to the solver, the others as it
     says), as the solver's rows count it: the largest row and its parts, and the saved values
     at the boundary."""
-    blocks = sorted({block_label(n) for n in table.nodes} - {None})
+    blocks = labelled_blocks(table.nodes)
     counts = {
         b: (counts or {}).get(b) or {"none": block_multiplicity(tg, table, b)} for b in blocks
     }
@@ -394,7 +402,7 @@ def plan_memory(
     best = None
     boundary_saved = 0.0
     for row in memory_rows(tg, table, options, regather, optim_bytes_per_elem):
-        parts = defaultdict(float)
+        parts: defaultdict[str, float] = defaultdict(float)
         for e in row.entries:
             k = e.multiplier(counts, regathered)
             if not k:
@@ -416,8 +424,9 @@ def plan_memory(
             boundary_saved = max(boundary_saved, parts["activation_bytes_per_rank"])
         if best is None or total > best[0]:
             best = (total, row, parts)
+    assert best is not None  # the rows include the boundary's
     total, row, parts = best
-    out = {
+    out: dict[str, Any] = {
         k: parts.get(k, 0.0)
         for k in (
             "param_bytes_per_rank",

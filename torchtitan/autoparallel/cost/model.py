@@ -16,11 +16,11 @@ Collectives (n ranks, B bytes moving per rank): all-gather and reduce-scatter
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils.flop_counter import flop_registry
 
 from ..graph import placements as P
@@ -88,7 +88,7 @@ class CostModel:
     overlap_efficiency: float = 0.8
 
     @classmethod
-    def for_device(cls, name: str, **overrides) -> "CostModel":
+    def for_device(cls, name: str, **overrides) -> CostModel:
         key = name.lower()
         if key not in DEVICES:
             from ..errors import PlannerError
@@ -114,7 +114,7 @@ class CostModel:
             out.append(intra if inner * n <= self.gpus_per_node else inter)
         return out
 
-    def with_links(self, links: Sequence[LinkSpec]) -> "CostModel":
+    def with_links(self, links: Sequence[LinkSpec]) -> CostModel:
         return replace(self, links=list(links))
 
 
@@ -200,7 +200,9 @@ class Estimator:
         return total
 
 
-def redistribution_steps(src: P.Placements, tgt: P.Placements) -> list[tuple[int, object, object]]:
+def redistribution_steps(
+    src: P.Placements, tgt: P.Placements
+) -> list[tuple[int, Placement, Placement]]:
     """The one-mesh-dim steps DTensor's (greedy) redistribution takes from src to tgt, in order:
     if src shards anything, inner mesh dims first (a dim whose target sharding sits under a
     different outer sharding of the same tensor dim goes through Replicate); then outer to

@@ -79,21 +79,21 @@ def build_parallel_module(
     for fqn, b in pm.named_buffers(remove_duplicate=False):
         if fqn in plan.buffers:
             pl_of[id(b)] = P.parse(plan.buffers[fqn])
-    memo: dict[int, torch.Tensor] = {}
+    memo: dict[int, Any] = {}  # id of a meta tensor -> its DTensor (parameter)
     for mod in pm.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None:
+        for name, param in list(mod._parameters.items()):
+            if param is None:
                 continue
-            if id(p) not in memo:
-                dt = _meta_dtensor(p.detach(), mesh, pl_of.get(id(p), rep))
-                memo[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            mod._parameters[name] = memo[id(p)]
-        for name, b in list(mod._buffers.items()):
-            if b is None:
+            if id(param) not in memo:
+                dt = _meta_dtensor(param.detach(), mesh, pl_of.get(id(param), rep))
+                memo[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
+            mod._parameters[name] = memo[id(param)]
+        for name, buf in list(mod._buffers.items()):
+            if buf is None:
                 continue
-            if id(b) not in memo:
-                memo[id(b)] = _meta_dtensor(b, mesh, pl_of.get(id(b), rep))
-            mod._buffers[name] = memo[id(b)]
+            if id(buf) not in memo:
+                memo[id(buf)] = _meta_dtensor(buf, mesh, pl_of.get(id(buf), rep))
+            mod._buffers[name] = memo[id(buf)]
 
     user_cls = type(model)
 

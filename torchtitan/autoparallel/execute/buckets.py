@@ -34,11 +34,12 @@ import heapq
 import math
 import operator
 from collections import defaultdict
+from typing import cast
 
 import torch
 import torch.fx as fx
 
-from ..graph.nodes import param_side
+from ..graph.nodes import arg_node, param_side
 from ..policies.units import unit_of
 from .lower import Partition
 
@@ -93,7 +94,7 @@ def one_source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if len(ins) == 1:
         return ins[0], [n]
     if all(a.target is operator.getitem for a in ins) and len({a.args[0] for a in ins}) == 1:
-        return ins[0].args[0], [n, *ins]
+        return arg_node(ins[0]), [n, *ins]
     return None
 
 
@@ -186,7 +187,7 @@ class _GraphBuckets:
         for c, level in gathers.items():
             unit = unit_of(self._origin(c), self.units)
             groups[
-                (unit, level, True, c.target, tuple(c.args[1:]), c.args[0].meta["val"].dtype)
+                (unit, level, True, c.target, tuple(c.args[1:]), arg_node(c).meta["val"].dtype)
             ].append(c)
             unit_first[unit] = min(unit_first.get(unit, math.inf), first[c])
         for c, (fqn, level, last) in reductions.items():
@@ -197,7 +198,7 @@ class _GraphBuckets:
                     last,
                     c.target,
                     tuple(c.args[1:]),
-                    c.args[0].meta["val"].dtype,
+                    arg_node(c).meta["val"].dtype,
                 )
             ].append(c)
 
@@ -222,12 +223,12 @@ class _GraphBuckets:
         """Replace `members` (same op, group and dtype) by one collective on a flat buffer."""
         g = self.graph
         extra = members[0].args[1:]
-        ins = [c.args[0] for c in members]
+        ins = [arg_node(c) for c in members]
         shapes = [list(x.meta["val"].shape) for x in ins]
         numels = [math.prod(s) for s in shapes]
         with g.inserting_before(members[0]):
             if target is AG:
-                n = extra[0]
+                n = cast(int, extra[0])  # the group's size
                 flat = [g.call_function(_aten.reshape.default, (x, [-1])) for x in ins]
                 buf = g.call_function(_aten.cat.default, (flat,))
                 coll = g.call_function(target, (buf, *extra))
@@ -249,14 +250,14 @@ class _GraphBuckets:
                         )
                     outs.append(out)
             else:
-                n = extra[1] if target is RS else 1
-                rows = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
-                buf = g.call_function(_aten.cat.default, (rows, 1))
+                n = cast(int, extra[1]) if target is RS else 1
+                pieces = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
+                buf = g.call_function(_aten.cat.default, (pieces, 1))
                 coll = g.call_function(target, (buf, *extra))
                 w = g.call_function(WAIT, (coll,))
-                flat = g.call_function(_aten.view.default, (w, [-1]))
+                flat_out = g.call_function(_aten.view.default, (w, [-1]))
                 parts = g.call_function(
-                    _aten.split_with_sizes.default, (flat, [k // n for k in numels], 0)
+                    _aten.split_with_sizes.default, (flat_out, [k // n for k in numels], 0)
                 )
                 outs = [
                     g.call_function(

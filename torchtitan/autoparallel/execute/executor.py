@@ -18,6 +18,7 @@ planned placements.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,6 +77,8 @@ class LoweredPlan:
         slot_of = {interp.param_of.get(k): i for i, k in enumerate(keys) if k in interp.param_of}
         self.grad_slots = [slot_of[f] for f in part.grad_names]
         self.n_in = len(keys)
+        self.fwd: Callable[..., Any]
+        self.bwd: Callable[[list], Any]
         if compile_kwargs is None:
             self.fwd, self.bwd = part.fwd, _boxed(part.bwd)
         else:

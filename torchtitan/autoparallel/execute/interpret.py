@@ -11,7 +11,8 @@ state between calls.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -171,21 +172,23 @@ class PlanInterpreter:
             v = env[a]
             if isinstance(a.meta.get("val"), torch.Tensor):
                 k = next(counter, None)
-                if k is not None and isinstance(v, DTensor) and targets[k] is not None:
-                    v = self._placed(a, v, targets[k], env)
+                target = targets[k] if k is not None else None
+                if target is not None and isinstance(v, DTensor):
+                    v = self._placed(a, v, target, env)
             return v
 
+        op = cast(Callable[..., Any], node.target)  # a call_function node's callable
         args_ = tuple(fx.node.map_arg(node.args, convert))
         kwargs = dict(fx.node.map_arg(node.kwargs, convert))
         if not any(isinstance(x.meta.get("val"), torch.Tensor) for x in node.all_input_nodes):
             if "device" in kwargs and device is not None:
                 kwargs["device"] = device
-            out = node.target(*args_, **kwargs)
+            out = op(*args_, **kwargs)
             if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
                 rep = tuple(Replicate() for _ in self.mesh.shape)
                 out = DTensor.from_local(out, self.mesh, rep, run_check=False)
         else:
-            out = node.target(*args_, **kwargs)
+            out = op(*args_, **kwargs)
         env[node] = out
 
     def _placed(self, a: fx.Node, v: DTensor, target: P.Placements, env: dict) -> DTensor:

@@ -7,6 +7,8 @@ and the runner can share these without importing each other.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -16,6 +18,17 @@ from torchtitan.torch_private import TensorMeta
 
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def arg_node(node: fx.Node, i: int = 0) -> fx.Node:
+    """Argument `i` of `node` where the op takes a tensor there (a getitem's source, a
+    view's base, a collective's input): a graph node."""
+    return cast(fx.Node, node.args[i])
+
+
+def getitem_source(node: fx.Node) -> tuple[fx.Node, int]:
+    """(the tuple-valued node, the index) a getitem reads."""
+    return cast(fx.Node, node.args[0]), cast(int, node.args[1])
 
 
 def is_view(node: fx.Node) -> bool:
@@ -29,7 +42,7 @@ def is_view(node: fx.Node) -> bool:
     )
 
 
-def param_side(nodes, param_inputs: set[fx.Node]) -> set[fx.Node]:
+def param_side(nodes: Iterable[fx.Node], param_inputs: set[fx.Node]) -> set[fx.Node]:
     """Nodes (of `nodes`, in a topological order) computed from `param_inputs` (parameter and
     buffer placeholders) alone."""
     out: set[fx.Node] = set()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ _aten = torch.ops.aten
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
 def sdpa(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool, scale: Optional[float]
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
 ) -> Tensor:
     """Attention over [batch, heads, seq, head_dim]; `mask` (or None) is added to the scores
     (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]); output contiguous."""
@@ -57,9 +56,9 @@ def softmax_attention_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Optional[Tensor],
+    mask: Tensor | None,
     is_causal: bool,
-    scale: Optional[float],
+    scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention w.r.t. q, k, v from the textbook formulas (probabilities
     recomputed in float32), for any device; contiguous."""
@@ -77,7 +76,7 @@ def softmax_attention_backward(
     dq = torch.matmul(d_scores, k.float())
     dk = torch.matmul(d_scores.transpose(-2, -1), q.float())
     dv = torch.matmul(probs.transpose(-2, -1), g)
-    return tuple(t.to(x.dtype).contiguous() for t, x in ((dq, q), (dk, k), (dv, v)))
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
 @torch.library.custom_op("titan::sdpa_backward", mutates_args=())
@@ -86,9 +85,9 @@ def sdpa_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Optional[Tensor],
+    mask: Tensor | None,
     is_causal: bool,
-    scale: Optional[float],
+    scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sdpa` w.r.t. q, k, v, recomputing the forward; outputs contiguous."""
     return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
@@ -163,7 +162,7 @@ sdpa.register_autograd(_backward, setup_context=_setup_context)
 # ---- sharding: every tensor split alike on batch (dim 0) or heads (dim 1), or all replicated;
 # the mask follows where it has that dim and is replicated where it broadcasts (size 1)
 def _split_alike(n_out: int, n_tensor_in: int, mask) -> list:
-    rules = []
+    rules: list[tuple[list, list]] = []
     for p in (Replicate(), Shard(0), Shard(1)):
         if mask is None:
             mask_pl = None
@@ -244,7 +243,7 @@ def _routable_mask(mask, q: Tensor, k: Tensor) -> bool:
     )
 
 
-def _additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """The mask as 4-D scores to add: a boolean one (True = attend) as SDPA derives it."""
     if mask is None:
         return None

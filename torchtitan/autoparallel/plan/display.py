@@ -7,7 +7,9 @@ from __future__ import annotations
 import html
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..policies.recompute import describe_policies
 from ..policies.regather import describe_units
@@ -15,10 +17,12 @@ from ..trace.repeat import name_pattern
 from .plan import Plan
 
 
-def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
+def collapse(
+    params: dict[str, str], shapes: dict[str, list[int]]
+) -> list[tuple[str, str, str, int]]:
     """Group parameters whose FQN differs only in integer components and whose placement is
     equal: 'layers.{0..31}.attention.wq.weight'."""
-    groups: "OrderedDict[tuple, list[int]]" = OrderedDict()
+    groups: OrderedDict[tuple, list[int]] = OrderedDict()
     for fqn, pl in params.items():
         parts = fqn.split(".")
         idx = [p for p in parts if p.isdigit()]
@@ -40,7 +44,7 @@ def collapse(params: dict[str, str], shapes: dict[str, list[int]]):
     return rows
 
 
-def describe(pl: str, names) -> str:
+def describe(pl: str, names: Sequence[str]) -> str:
     """`S(0),R` on mesh dims (dp, tp) -> `dp:S(0), tp:R`."""
     parts = pl.split(",")
     return ", ".join(f"{n}:{p}" for n, p in zip(names, parts))
@@ -83,7 +87,7 @@ def summary_line(label: str, plan: Plan) -> str:
     )
 
 
-def mesh_search_html(search) -> str:
+def mesh_search_html(search: Any) -> str:  # a mesh_search.MeshSearch
     """The mesh search's candidates as an HTML table, the chosen one in bold."""
     head = ["mesh", "step ms", "exposed comm ms", "memory/rank GiB", "fits", "proven gap", "plan s"]
     rows = []
@@ -114,7 +118,12 @@ def mesh_search_html(search) -> str:
 
 
 def write_html(
-    path: Path, plans: dict[str, Plan], names, mesh_shape, title: str, search=None
+    path: Path,
+    plans: dict[str, Plan],
+    names: Sequence[str],
+    mesh_shape: Sequence[int],
+    title: str,
+    search: Any = None,  # a mesh_search.MeshSearch
 ) -> None:
     """One page: the mesh search's candidates if there was one, then per plan its summary
     line and a table of every parameter's placement per mesh dim, split dims coloured."""

@@ -13,11 +13,12 @@ import torch.fx as fx
 
 from ..errors import PlannerError
 from ..graph.nodes import is_placed
+from ..trace.joint import TracedGraph
 from ..trace.repeat import RepeatedBlocks
 from .plan import Plan, graph_fingerprint
 
 
-def expand_plan(plan: Plan, full_tg) -> Plan:
+def expand_plan(plan: Plan, full_tg: TracedGraph) -> Plan:
     """The plan of a shallow trace, re-keyed by the nodes of the whole model's graph."""
     blocks = [RepeatedBlocks.from_json(b) for b in plan.blocks]
     nodes = expand_nodes(plan.nodes, full_tg.gm, full_tg.labels, blocks)

@@ -56,7 +56,7 @@ class Plan:
         return json.dumps(asdict(self), indent=1, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -103,7 +103,7 @@ class Plan:
                     raise PlannerError(
                         f"impossible placement {text!r} for {fqn} {list(param_shapes[fqn])}"
                     )
-            for name, entry in self.nodes.items():
+            for entry in self.nodes.values():
                 for text in [*entry.get("ins", []), *entry.get("out", [])]:
                     if text and text != "-":  # "-": not a tensor
                         parse(text)
@@ -114,7 +114,7 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
 
 

@@ -4,12 +4,14 @@ facts — for the whole model."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..cost.memory import param_chains, plan_memory
 from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge, GradEdge, HubEdge
 from ..solve.problem import PlanningProblem
 from ..solve.program import Solution
-from ..strategies.table import StrategyTable
+from ..strategies.table import StrategyTable, placed
 from ..trace.joint import TracedGraph
 from .plan import Plan, graph_fingerprint
 
@@ -63,7 +65,7 @@ def solution_to_plan(problem: PlanningProblem, sol: Solution, timings: dict[str,
 def _node_entries(tg: TracedGraph, table: StrategyTable, sol: Solution) -> dict[str, dict]:
     """Per graph node: the placements its inputs are redistributed to, its outputs', the
     hubs of values several consumers share, and its block label on a shallow trace."""
-    nodes = {}
+    nodes: dict[str, dict[str, Any]] = {}
     for node, ns in table.nodes.items():
         if node.op != "call_function":
             continue
@@ -110,7 +112,7 @@ def _predicted(problem: PlanningProblem, sol: Solution) -> dict[str, float]:
         nbytes(n)
         * P.shard_fraction(
             n.meta["val"].shape,
-            table.nodes[n].strategies[sol.choice[n]].out[0],
+            placed(table.nodes[n].strategies[sol.choice[n]].out[0]),
             table.mesh_shape,
         )
         for n in tg.params.values()

@@ -60,6 +60,18 @@ def block_label(node: fx.Node) -> str | None:
     return (node.meta.get("custom") or {}).get(LABEL_KEY)
 
 
+def labelled_blocks(nodes: Iterable[fx.Node]) -> list[str]:
+    """The block labels among `nodes`, sorted."""
+    return sorted({lab for n in nodes if (lab := block_label(n)) is not None})
+
+
+def block_of(node: fx.Node) -> str:
+    """The block of a node known to be in one (a recomputed value)."""
+    lab = block_label(node)
+    assert lab is not None, f"{node.name} is in no repeated block"
+    return lab
+
+
 def kept_by_selective(node: fx.Node) -> bool:
     """The selective policy keeps this node's value: a matrix product or attention, or one
     output of one (a tuple's element is kept with the op that made it)."""
@@ -112,7 +124,12 @@ def split_saved(
 
 
 def backward_schedule(
-    nodes: list[fx.Node], backward: set, tangents, lazy: set, done: set, outputs
+    nodes: list[fx.Node],
+    backward: set,
+    tangents: Sequence[fx.Node],
+    lazy: set,
+    done: set,
+    outputs: Sequence[fx.Node],
 ) -> list[fx.Node]:
     """The order the executor runs the backward in (lower.py; liveness.py replays it): the ops
     reading a tangent, in graph order (`nodes`), each preceded by the `lazy` nodes (recomputed
@@ -180,7 +197,7 @@ def recompute_rule(
 def describe_policies(policies: dict[str, str]) -> str:
     """`layers#0-2 full, layers#3 none`: runs of consecutive blocks with one policy."""
 
-    def key(label: str):
+    def key(label: str) -> tuple[str, int]:
         cname, _, i = label.rpartition("#")
         return (cname, int(i)) if i.isdigit() else (label, -1)
 

@@ -26,8 +26,8 @@ decides for every interior block it stands for.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from ..errors import PlannerError
 from .units import regathered_params, unit_of
@@ -37,7 +37,7 @@ POLICIES = ("always", "never", "default", "auto")
 
 def check_reshard_policy(policy: bool | str) -> str:
     """The policy name of a `reshard_after_forward` setting (True/False as always/never)."""
-    name = {True: "always", False: "never"}.get(policy, policy)
+    name = policy if isinstance(policy, str) else {True: "always", False: "never"}[policy]
     if name not in POLICIES:
         raise PlannerError(
             "reshard_after_forward must be True, False, 'always', 'never', 'default' or "
@@ -78,6 +78,10 @@ class Regather:
         return {m: m in again for m in every}
 
 
+# every parameter kept, nothing decided by the solver
+NO_REGATHER = Regather()
+
+
 def regather_setting(
     policy: bool | str,
     model_params: list[str],
@@ -93,6 +97,7 @@ def regather_setting(
         t = traced(f)
         unit.setdefault(t, unit_of(f, units))
         members[unit[t]][unit_of(f, units)] = None
+    fixed: frozenset[str]
     if policy == "auto":
         fixed, free = frozenset(), frozenset(unit)
     else:
@@ -121,7 +126,7 @@ def describe_units(decisions: dict[str, bool]) -> str:
         else:
             runs.append([head if i is not None else u, i, i, again])
 
-    def name(run) -> str:
+    def name(run: list) -> str:
         head, a, b, _again = run
         if a is None:
             return head or "root"

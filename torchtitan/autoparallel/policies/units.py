@@ -8,6 +8,8 @@ what the reshard-after-forward setting decides for (regather.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.nn as nn
 
 
@@ -34,11 +36,11 @@ def unit_of(fqn: str | None, units: list[str]) -> str:
     return best
 
 
-def regathered_params(fqns, policy: bool | str, units: list[str]) -> frozenset[str]:
+def regathered_params(fqns: Iterable[str], policy: bool | str, units: list[str]) -> frozenset[str]:
     """Parameters gathered again in the backward under a reshard-after-forward policy (True /
     "always": all; False / "never": none; "default", torchtitan's: all but the root's and the
     last unit's, which the backward needs first)."""
-    policy = {True: "always", False: "never"}.get(policy, policy)
+    policy = policy if isinstance(policy, str) else {True: "always", False: "never"}[policy]
     if policy == "never":
         return frozenset()
     if policy == "always":

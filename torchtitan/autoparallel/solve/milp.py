@@ -13,6 +13,8 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 import highspy
 import numpy as np
@@ -23,11 +25,22 @@ log = logging.getLogger(__name__)
 # this fraction of the bound (any choice is valid: it only has to find a good plan fast).
 HEURISTIC_SLACK = 0.005
 
+# (HiGHS model status, column values or None, objective or None, how it was found, proven
+# relative gap or None)
+MilpResult = tuple[Any, list[float] | None, float | None, str, float | None]
+
+
+@dataclass
+class _Relaxed:
+    bound: float
+    x: np.ndarray
+    reduced_cost: np.ndarray
+
 
 class Milp:
     """Row-wise sparse model accumulator."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.cost: list[float] = []
         self.lb: list[float] = []
         self.ub: list[float] = []
@@ -42,7 +55,7 @@ class Milp:
         # costs or bytes): reduced-cost fixing's argument does not hold for them
         self.unfixable: set[int] = set()
 
-    def var(self, cost: float, lb=0.0, ub=1.0) -> int:
+    def var(self, cost: float, lb: float = 0.0, ub: float = 1.0) -> int:
         """A column; it is binary if it belongs to a one-hot group (`onehot`), else continuous."""
         self.cost.append(cost)
         self.lb.append(lb)
@@ -85,11 +98,13 @@ class Milp:
             self.row([(grid[i, k], 1.0) for i in range(len(cols))] + [(z, -1.0)], 0.0, 0.0)
         return grid
 
-    def _lp(self, keep: np.ndarray | None = None) -> "highspy.HighsLp":
+    def _lp(self, keep: np.ndarray | None = None) -> highspy.HighsLp:
         """The program as HiGHS reads it; with `keep` (sorted column indices) only those
         columns, the others being 0."""
-        cost, lb, ub = self.cost, self.lb, self.ub
-        starts, index, value = self.starts, self.index, self.value
+        cost, lb, ub = (np.asarray(v, dtype=np.float64) for v in (self.cost, self.lb, self.ub))
+        starts = np.asarray(self.starts, dtype=np.int64)
+        index = np.asarray(self.index, dtype=np.int64)
+        value = np.asarray(self.value, dtype=np.float64)
         if keep is not None:
             new_id = np.full(len(self.cost), -1, dtype=np.int64)
             new_id[keep] = np.arange(len(keep))
@@ -124,7 +139,7 @@ class Milp:
         verbose: bool,
         rel_gap: float = 1e-3,
         proof_limit: float = math.inf,
-    ):
+    ) -> MilpResult:
         """Solve; returns (status, column values or None, objective, method, proven relative gap).
 
         1. The LP relaxation (no presolve: here it costs more than it saves).  When it is
@@ -149,12 +164,13 @@ class Milp:
         """
         t_end = time.perf_counter() + float(time_limit)
         Status = highspy.HighsModelStatus
-        status, bound, x, reduced_cost = self._relaxation(time_limit, verbose)
+        status, relaxed = self._relaxation(time_limit, verbose)
         if status == Status.kInfeasible:
             return status, None, None, "LP", None
         upper = np.asarray(self.ub, dtype=float)
-        if status != Status.kOptimal:  # no usable bound: the whole program
+        if relaxed is None:  # no usable bound: the whole program
             return self._branch_and_bound(upper, None, verbose, rel_gap, t_end)
+        bound, x, reduced_cost = relaxed.bound, relaxed.x, relaxed.reduced_cost
         near, undecided = self._decided(x)
         if not undecided:
             return Status.kOptimal, list(x), bound, "LP (integral)", 0.0
@@ -178,6 +194,7 @@ class Milp:
         )
         if start is None:
             return self._branch_and_bound(upper, None, verbose, rel_gap, t_end)
+        assert obj is not None  # a plan has an objective
         if (obj - bound) <= rel_gap * abs(obj):
             return Status.kOptimal, start, obj, "LP + fixing", (obj - bound) / max(abs(obj), 1e-9)
         upper = self._unfix(_reduced_cost_fixing(x, reduced_cost, lower, upper, obj - bound))
@@ -195,9 +212,9 @@ class Milp:
             how = "reduced-cost fixing + branch and bound"
         return status, values, obj2, how, gap
 
-    def _relaxation(self, time_limit: float, verbose: bool):
-        """The LP relaxation: (status, bound, column values, reduced costs); the last three
-        None unless it solved to optimality."""
+    def _relaxation(self, time_limit: float, verbose: bool) -> tuple[Any, _Relaxed | None]:
+        """The LP relaxation's status, and its bound, column values and reduced costs when it
+        solved to optimality."""
         h = _highs(verbose)
         h.setOptionValue("time_limit", float(time_limit))
         h.setOptionValue("presolve", "off")
@@ -207,10 +224,9 @@ class Milp:
         h.run()
         status = h.getModelStatus()
         if status != highspy.HighsModelStatus.kOptimal:
-            return status, None, None, None
+            return status, None
         solution = h.getSolution()
-        return (
-            status,
+        return status, _Relaxed(
             h.getInfo().objective_function_value,
             np.asarray(solution.col_value),
             np.asarray(solution.col_dual),
@@ -236,7 +252,14 @@ class Milp:
         upper[cols] = np.asarray(self.ub, dtype=float)[cols]
         return upper
 
-    def _branch_and_bound(self, upper, start, verbose: bool, rel_gap: float, t_end: float):
+    def _branch_and_bound(
+        self,
+        upper: np.ndarray,
+        start: list[float] | None,
+        verbose: bool,
+        rel_gap: float,
+        t_end: float,
+    ) -> MilpResult:
         """The 0/1 program with column upper bounds `upper` (columns at 0 are left out),
         started from the full-length solution `start` if given, in a fresh HiGHS."""
         keep = np.flatnonzero(np.asarray(upper) > 0)
@@ -278,7 +301,9 @@ def _highs(verbose: bool) -> highspy.Highs:
     return h
 
 
-def _reduced_cost_fixing(x, reduced_cost, lb, ub, slack: float) -> np.ndarray:
+def _reduced_cost_fixing(
+    x: np.ndarray, reduced_cost: np.ndarray, lb: np.ndarray, ub: np.ndarray, slack: float
+) -> np.ndarray:
     """Upper bounds with every column set to 0 that no plan cheaper than the incumbent
     (objective = LP bound + `slack`) can use.
 

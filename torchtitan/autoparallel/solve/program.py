@@ -22,16 +22,17 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import highspy
 import torch.fx as fx
 
-from ..cost.memory import copy_fraction, memory_rows, term_fraction
+from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, term_fraction
 from ..errors import ConstraintError
 from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
 from ..policies.regather import Regather
-from ..strategies.table import resolve_source
+from ..strategies.table import NodeStrategies, Source, placed, resolve_source
 from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin
 from .milp import Milp
 from .prices import GraphPrices
@@ -145,14 +146,20 @@ class PlacementProgram:
             if r in self.pside or r in self.gside:
                 m.free_groups.add(len(m.groups) - 1)
 
-    def _producer_groups(self, src) -> dict[P.Placements, list[int]]:
+    def _producer_groups(self, src: Source) -> dict[P.Placements, list[int]]:
         g: dict[P.Placements, list[int]] = defaultdict(list)
         for s, pl in enumerate(self.table.nodes[src[0]].out_placements(src[1])):
             if pl is not None:
                 g[pl].append(self.xvars[src[0]][s])
         return g
 
-    def _link(self, src, cons_groups, members: list[EdgeKey], prod=None) -> None:
+    def _link(
+        self,
+        src: Source,
+        cons_groups: dict[P.Placements, list[int]],
+        members: list[EdgeKey],
+        prod: dict[P.Placements, list[int]] | None = None,
+    ) -> None:
         """Tight edge rows between a producer (or its hub) and a consumer's requirements:
         for every emitted o, sum_r y[e, o, r] = sum of the producer's x emitting o; for every
         required r, sum_o y[e, o, r] = sum of the consumer's x needing r.  Objective +=
@@ -194,7 +201,7 @@ class PlacementProgram:
         """One set of y per (producer group, consumer group, argument); a value read by
         several consumer groups goes through a hub (`hub_columns`), its consumers link from it."""
         table, rep = self.table, self.rep
-        edges: dict[tuple, list[ConsumerEdge]] = defaultdict(list)
+        edges: dict[tuple, list[EdgeKey]] = defaultdict(list)
         for node, ns in table.nodes.items():
             for k, src in enumerate(ns.sources):
                 edges[(rep[src[0]], src[1], rep[node], k)].append(ConsumerEdge(node, k))
@@ -291,7 +298,7 @@ class PlacementProgram:
             ns = self.table.nodes[pnode]
             b = self.prices.param_bytes(pnode) * weight(pnode) / total
             fr = [
-                P.shard_fraction(pnode.meta["val"].shape, st.out[0], self.prices.mesh_shape)
+                P.shard_fraction(pnode.meta["val"].shape, placed(st.out[0]), self.prices.mesh_shape)
                 for st in ns.strategies
             ]
             for s, f in enumerate(fr):
@@ -346,10 +353,10 @@ class PlacementProgram:
             out.append(terms)
         return out
 
-    def _copy_terms(self, t, coef: float, terms: list) -> None:
+    def _copy_terms(self, t: MemoryTerm, coef: float, terms: list) -> None:
         table = self.table
-        src = table.nodes[t.node].sources[t.arg]
-        on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.arg), [])
+        src = table.nodes[t.node].sources[t.copied_input]
+        on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.copied_input), [])
         on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
         for y, o, r in on_edge + on_hub:
             f = copy_fraction(t, table, o, r)
@@ -357,7 +364,9 @@ class PlacementProgram:
                 terms.append((y, t.full_bytes * f * coef))
 
     # ---------------------------------------------------------------- reading the answer
-    def solution(self, values, status, obj, how, gap) -> Solution:
+    def solution(
+        self, values: list[float], status: Any, obj: float, how: str, gap: float | None
+    ) -> Solution:
         def chosen(w: dict) -> P.Placements:
             return max(w, key=lambda pl: values[w[pl]])
 
@@ -429,7 +438,7 @@ def hub_columns(m: Milp, emitted: dict, required: list[dict]) -> dict[P.Placemen
     return w
 
 
-def tie_columns(m: Milp, w: dict, ns, xs: list[int]) -> None:
+def tie_columns(m: Milp, w: dict, ns: NodeStrategies, xs: list[int]) -> None:
     """Sink placement == the placement of a placeholder (param or tangent): for every p,
     sum of x over the placeholder's strategies emitting p = w[p]."""
     by_pl: dict = defaultdict(list)

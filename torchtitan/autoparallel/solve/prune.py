@@ -3,12 +3,18 @@ can feed with one collective."""
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from ..cost.model import Estimator
+from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge
+from ..strategies.table import Source, StrategyTable
 from .redistributions import direct, finite
 
 
-def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
+def prune_unreachable(
+    table: StrategyTable, est: Estimator, no_comm_edges: Set[ConsumerEdge] = frozenset()
+) -> int:
     """Drop strategies whose inputs no live producer placement can reach with one collective.
 
     Works in graph order so pruning propagates forward; returns the number of strategies
@@ -24,7 +30,7 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
     ok_memo: dict = {}
     live_memo: dict = {}
 
-    def emitted_of(src):
+    def emitted_of(src: Source) -> frozenset:
         ns_src = table.nodes[src[0]]
         key = (id(ns_src.strategies), src[1])
         e = emitted_memo.get(key)
@@ -35,7 +41,7 @@ def prune_unreachable(table, est: Estimator, no_comm_edges=frozenset()) -> int:
             )
         return e
 
-    def ok(e, r, frozen):
+    def ok(e: frozenset, r: P.Placements | None, frozen: bool) -> bool:
         if r is None:
             return True
         key = (e, r, frozen)

@@ -28,12 +28,14 @@ on their edges, whatever the policy (an upper bound: they are few).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch.fx as fx
 
-from ..cost.memory import block_multiplicity, recomputed_values
+from ..cost.memory import RowEntry, block_multiplicity, recomputed_values
 from ..graph.edge_keys import ConsumerEdge
-from ..policies.recompute import POLICIES, block_label, check_policy
+from ..policies.recompute import POLICIES, block_of, check_policy, labelled_blocks
 
 
 class RecomputeChoices:
@@ -44,14 +46,18 @@ class RecomputeChoices:
     `{block: {policy: how many of the blocks it stands for follow it}}` (a shallow trace's
     interior block may stand for a mix, e.g. every second block recomputed)."""
 
-    def __init__(self, program, setting: str | dict[str, dict[str, int]]):
+    def __init__(
+        self,
+        program: Any,  # program.PlacementProgram, its owner
+        setting: str | dict[str, dict[str, int]],
+    ):
         self.p = program
         tg, table = program.tg, program.table
-        self.blocks = sorted({block_label(n) for n in table.nodes} - {None})
+        self.blocks = labelled_blocks(table.nodes)
         self.multiplicity = {b: block_multiplicity(tg, table, b) for b in self.blocks}
         self.auto = setting == "auto"
         if self.auto:
-            self.options = POLICIES
+            self.options: tuple[str, ...] = POLICIES
             self.pins: dict[str, dict[str, int]] = {}
         else:
             if isinstance(setting, str):  # one policy for every block
@@ -110,7 +116,7 @@ class RecomputeChoices:
         for p in self.options:
             nodes = dict.fromkeys(n for n, _idx in self.recomputed[p])
             for node in nodes:
-                b = block_label(node)
+                b = block_of(node)
                 k = self.count(b, p)
                 if not k:
                     continue
@@ -132,17 +138,17 @@ class RecomputeChoices:
             for y, c in coef.items():
                 m.cost[y] += c
 
-    def _recomputed_edges(self, recomputed: set):
+    def _recomputed_edges(self, recomputed: set) -> Iterator[tuple[str, int]]:
         """(block, y) of every redistributing pair into a recomputed node."""
         for key, pairs in self.p.edge_pair_vars.items():
             if isinstance(key, ConsumerEdge) and key.node in recomputed:
-                b = block_label(key.node)
+                b = block_of(key.node)
                 for y, o, r in pairs:
                     if o != r:
                         yield b, y
 
     # ------------------------------------------------------------------ memory
-    def entry_column(self, e, s: int) -> tuple[int, int]:
+    def entry_column(self, e: RowEntry, s: int) -> tuple[int, int]:
         """(column, multiplier) carrying memory row entry `e` (memory.RowEntry, not a copy)
         when its node takes strategy s."""
         node = e.term.node
@@ -150,11 +156,12 @@ class RecomputeChoices:
             return self.p.xvars[self.p.rep[node]][s], e.weight
         if self.auto:
             mult = self.multiplicity[e.block] if e.saved else 1
+            assert e.policy is not None  # set with `block`
             return self.column(e.block, node, s, e.policy), mult
         return self.p.xvars[self.p.rep[node]][s], e.multiplier(self.pins)
 
     # ------------------------------------------------------------------ reading the answer
-    def counts(self, values) -> dict[str, dict[str, int]]:
+    def counts(self, values: Sequence[float]) -> dict[str, dict[str, int]]:
         """{block: {policy: how many blocks it stands for follow it}} of a solved plan."""
         if not self.active:
             return {}
@@ -165,7 +172,9 @@ class RecomputeChoices:
             for b, zs in self.z.items()
         }
 
-    def recompute_us(self, values, choice: dict, counts: dict[str, dict[str, int]]) -> float:
+    def recompute_us(
+        self, values: Sequence[float], choice: dict, counts: dict[str, dict[str, int]]
+    ) -> float:
         """Predicted recompute time of a solved plan, as the objective prices it: FLOP time
         of every recomputed node plus the redistributions into them."""
         prog = self.p
@@ -175,7 +184,7 @@ class RecomputeChoices:
                 continue
             nodes = dict.fromkeys(n for n, _idx in self.recomputed[p])
             for n in nodes:
-                k = counts.get(block_label(n), {}).get(p, 0)
+                k = counts.get(block_of(n), {}).get(p, 0)
                 total += prog.prices.compute_cost(prog.rep[n], choice[n]) * k
             for b, y in self._recomputed_edges(set(nodes)):
                 if values[y] > 0.5:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from ..graph import placements as P
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def direct(o: P.Placements, r: P.Placements) -> bool:
     """Redistributions the program may use: at most one collective (slicing is free).
 
@@ -25,14 +26,14 @@ def direct(o: P.Placements, r: P.Placements) -> bool:
     return sum(a != b and not isinstance(a, Replicate) for a, b in zip(o, r)) <= 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def finite(o: P.Placements, r: P.Placements) -> bool:
     """Whether the cost model allows o -> r at all (shape-independent: only Partial targets
     fail)."""
     return all(a == b or not b.is_partial() for a, b in zip(o, r))
 
 
-def source_value(src) -> torch.Tensor:
+def source_value(src: tuple[fx.Node, int]) -> torch.Tensor:
     node, idx = src
     v = node.meta["val"]
     if isinstance(v, (list, tuple)):

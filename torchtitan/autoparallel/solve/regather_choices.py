@@ -18,8 +18,11 @@ g[u, "keep"].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from ..cost.liveness import backward_reads, parameter_valued
-from ..cost.memory import copy_fraction, param_chains, term_fraction
+from ..cost.memory import RowEntry, copy_fraction, param_chains, term_fraction
 from ..graph.edge_keys import ConsumerEdge, HubEdge
 from ..policies.recompute import recompute_rule, split_saved
 from ..policies.regather import Regather
@@ -30,7 +33,7 @@ MODES = ("keep", "again")
 class RegatherChoices:
     """The re-gather family of one program (`PlacementProgram`), see the module docstring."""
 
-    def __init__(self, program, setting: Regather):
+    def __init__(self, program: Any, setting: Regather):  # program.PlacementProgram, its owner
         self.p = program
         self.setting = setting
         tg, table = program.tg, program.table
@@ -80,7 +83,7 @@ class RegatherChoices:
                         grid = self._product([col for col, _o, _r in pairs], fqn)
                         m.cost[grid[i, "again"]] += c
 
-    def regather_us(self, values, regathered: frozenset[str]) -> float:
+    def regather_us(self, values: Sequence[float], regathered: frozenset[str]) -> float:
         """Communication of the backward's gathering again (before overlap) in a solved plan
         gathering `regathered` again."""
         prog = self.p
@@ -95,34 +98,36 @@ class RegatherChoices:
         return total
 
     # ------------------------------------------------------------------ memory
-    def decides(self, entry) -> bool:
+    def decides(self, entry: RowEntry) -> bool:
         return entry.param is not None and entry.param in self.setting.free
 
-    def add_entry(self, entry, coef: float, terms: list) -> None:
+    def add_entry(self, entry: RowEntry, coef: float, terms: list) -> None:
         """Row terms of memory entry `entry` (`decides(entry)`), each byte times `coef`."""
         t, mode = entry.term, "again" if entry.regathered else "keep"
+        param = entry.param
+        assert param is not None  # decides(entry)
         prog, table = self.p, self.p.table
         if t.kind != "copy":
             xs = prog.xvars[prog.rep[t.node]]
-            grid = self._product(xs, entry.param)
+            grid = self._product(xs, param)
             for s in range(len(xs)):
                 frac = term_fraction(t, table, s)
                 if frac:
                     terms.append((grid[s, mode], t.full_bytes * frac * coef))
             return
-        src = table.nodes[t.node].sources[t.arg]
-        for key in (ConsumerEdge(t.node, t.arg), HubEdge(src[0], src[1])):
+        src = table.nodes[t.node].sources[t.copied_input]
+        for key in (ConsumerEdge(t.node, t.copied_input), HubEdge(src[0], src[1])):
             pairs = prog.edge_pair_vars.get(key, [])
             if not pairs:
                 continue
-            grid = self._product([y for y, _o, _r in pairs], entry.param)
+            grid = self._product([y for y, _o, _r in pairs], param)
             for i, (_y, o, r) in enumerate(pairs):
                 f = copy_fraction(t, table, o, r)
                 if f:
                     terms.append((grid[i, mode], t.full_bytes * f * coef))
 
     # ------------------------------------------------------------------ reading the answer
-    def regathered(self, values) -> frozenset[str]:
+    def regathered(self, values: Sequence[float]) -> frozenset[str]:
         """Traced parameters a solved plan gathers again."""
         chosen = [u for u, g in self.g.items() if values[g["again"]] > 0.5]
         return self.setting.regathered(chosen)

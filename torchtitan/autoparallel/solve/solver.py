@@ -22,6 +22,8 @@ from .program import PlacementProgram, Solution
 
 log = logging.getLogger(__name__)
 
+Rep = dict[fx.Node, fx.Node] | None  # node -> the node whose variables it shares
+
 
 class PlacementSolver:
     """Builds and solves the 0/1 program of one planning problem (problem.py): its prices,
@@ -70,7 +72,9 @@ class PlacementSolver:
         names = "; ".join(c.name for c in active)
         budgets = [c for c in active if isinstance(c, MemoryBudget)]
         if budgets:
-            others = [c for c in constraints if not isinstance(c, MemoryBudget)]
+            others: list[UserConstraint] = [
+                c for c in constraints if not isinstance(c, MemoryBudget)
+            ]
             need = self.minimum_memory(others, time_limit, rep)
             if need is not None:
                 names += (
@@ -79,7 +83,9 @@ class PlacementSolver:
                 )
         raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
 
-    def minimum_memory(self, constraints, time_limit: float, rep) -> float | None:
+    def minimum_memory(
+        self, constraints: list[UserConstraint], time_limit: float, rep: Rep
+    ) -> float | None:
         """The smallest predicted bytes per rank of any plan under `constraints` (no memory
         budget among them): the same program with the memory row as its objective."""
         program = self._build(constraints, rep)
@@ -90,11 +96,11 @@ class PlacementSolver:
         for terms in program.memory_rows(2.0**30):
             m.row(terms + [(peak, -1.0)], -highspy.kHighsInf, 0.0)
         status, values, obj, _how, _gap = m.solve(time_limit, False)
-        if values is None:
+        if values is None or obj is None:
             return None
         return float(obj) * 2.0**30
 
-    def _build(self, constraints, rep) -> "PlacementProgram":
+    def _build(self, constraints: list[UserConstraint], rep: Rep) -> PlacementProgram:
         program = PlacementProgram(self.prices, rep, self.regather, self.recompute)
         program.add_placement_choices()
         program.recompute.add_choices()
@@ -114,7 +120,12 @@ class PlacementSolver:
         return program
 
     def _solve_once(
-        self, constraints, time_limit, verbose, rep, proof_limit: float = math.inf
+        self,
+        constraints: list[UserConstraint],
+        time_limit: float,
+        verbose: bool,
+        rep: Rep,
+        proof_limit: float = math.inf,
     ) -> Solution | None:
         t0 = time.perf_counter()
         program = self._build(constraints, rep)
@@ -146,6 +157,7 @@ class PlacementSolver:
                 status,
                 "-" if gap is None else f"{gap:.2%}",
             )
+        assert obj is not None  # a plan has an objective
         sol = program.solution(values, status, obj, how, gap)
         sol.build_s, sol.solve_s = build_s, solve_s
         return sol

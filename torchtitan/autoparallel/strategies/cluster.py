@@ -15,6 +15,7 @@ User inputs, tangents and pinned nodes are never grouped (they carry pins).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Set
 
 import torch
 import torch.fx as fx
@@ -37,7 +38,7 @@ def _const(a):
 def cluster_nodes(
     table: StrategyTable,
     rounds: int = 4,
-    unique: set[fx.Node] = frozenset(),
+    unique: Set[fx.Node] = frozenset(),
     names: dict[fx.Node, str] | None = None,
 ) -> dict[fx.Node, fx.Node]:
     """Map every strategy node to its group representative (the first member in graph order).
@@ -55,6 +56,7 @@ def cluster_nodes(
         key = id(ns.strategies)
         if key not in strat_sig:
             strat_sig[key] = hash(tuple(ns.strategies))
+        base: tuple
         if ns.role in ("input", "tangent") or n in unique:
             base = ("unique", n.name)
         else:

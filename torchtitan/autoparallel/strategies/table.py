@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
+from torch._ops import OpOverload
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Shard
@@ -46,7 +47,7 @@ from torchtitan.torch_private import (
 
 from ..errors import UnsupportedOpError
 from ..graph import placements as P
-from ..graph.nodes import is_getitem, out_metas, tensor_meta
+from ..graph.nodes import getitem_source, is_getitem, out_metas, tensor_meta
 from ..ops import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
 from ..trace.joint import TracedGraph
 
@@ -59,6 +60,12 @@ Source = tuple[fx.Node, int]  # (producer node, output index)
 class Strategy:
     out: tuple[P.Placements | None, ...]  # one entry per output of the op
     ins: tuple[P.Placements | None, ...]  # one entry per tensor input (flattened arg order)
+
+
+def placed(pl: P.Placements | None) -> P.Placements:
+    """A strategy entry known to be a tensor's (a parameter's output, say): its placement."""
+    assert pl is not None, "a tensor without a placement"
+    return pl
 
 
 @dataclass
@@ -86,8 +93,7 @@ class StrategyTable:
 def resolve_source(node: fx.Node) -> Source:
     """Map a getitem to (tuple producer, index); any other node to (node, 0)."""
     if is_getitem(node):
-        parent, idx = node.args
-        return (parent, idx)
+        return getitem_source(node)
     return (node, 0)
 
 
@@ -147,8 +153,8 @@ class StrategyBuilder:
             roles[n] = "buffer"
         for n in tg.inputs:
             roles[n] = "input"
-        for n in tg.tangents:
-            if n is not None:
+        for t in tg.tangents:
+            if t is not None:
                 roles[n] = "tangent"
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
@@ -242,10 +248,11 @@ class StrategyBuilder:
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
         # single-dim rules keep their schema info (e.g. needs_pytree: `index.Tensor`'s list of
         # optional index tensors) in a table of their own
+        op = cast(OpOverload, node.target)  # a call_function node of the ATen graph
         info = self.prop.op_to_schema_info.get(
-            node.target
-        ) or self.prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
-        return OpSchema(node.target, args, kwargs, schema_info=info)
+            op
+        ) or self.prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        return OpSchema(op, args, kwargs, schema_info=info)
 
     def _query(self, node, inputs, cand_lists, n_out) -> list[Strategy]:
         op = node.target

@@ -17,8 +17,9 @@ import copy
 import functools
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -89,7 +90,7 @@ def check_on_meta(model: nn.Module) -> None:
 
 def _fakeify(model: nn.Module, fake_mode: FakeTensorMode) -> None:
     """Replace (in place) every meta parameter/buffer with a fake CPU tensor, keeping aliases."""
-    memo: dict[int, torch.Tensor] = {}
+    memo: dict[int, Any] = {}  # id of a meta tensor -> its fake copy (parameter)
 
     def fake_like(t: torch.Tensor) -> torch.Tensor:
         with fake_mode:
@@ -335,8 +336,9 @@ def _merge_tied(graph: fx.Graph, params: dict, grads: dict, model: nn.Module) ->
         alias.replace_all_uses_with(keep)
         g_alias, g_keep = grads.pop(fqn, None), grads.get(canon)
         out = next(n for n in graph.nodes if n.op == "output")
-        total = g_keep if g_alias is None else g_alias if g_keep is None else None
-        if total is None:
+        if g_alias is None or g_keep is None:
+            total = g_keep if g_alias is None else g_alias
+        else:
             with graph.inserting_before(out):
                 total = graph.call_function(torch.ops.aten.add.Tensor, (g_keep, g_alias))
             total.meta = dict(g_keep.meta)

@@ -66,7 +66,7 @@ class RepeatedBlocks:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RepeatedBlocks":
+    def from_json(cls, d: dict) -> RepeatedBlocks:
         return cls(d["container"], tuple(d["keys"]), bool(d["renumbers"]))
 
 
