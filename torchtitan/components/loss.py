@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+
+from torchtitan.config.job_config import JobConfig
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,7 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def build_cross_entropy_loss(job_config: Any):
+def build_cross_entropy_loss(job_config: JobConfig):
     compile_config = job_config.compile
     if compile_config.enable and "loss" in compile_config.components:
         return torch.compile(cross_entropy_loss)

@@ -9,10 +9,12 @@ without it the decay starts right after warmup.  The decay goes from the peak to
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan.config.job_config import JobConfig
 
 
 def lr_factor(
@@ -50,9 +52,9 @@ def lr_factor(
 class LRSchedulersContainer(Stateful):
     """One LambdaLR per optimizer, stepped together; checkpointed as one."""
 
-    def __init__(self, optimizers: Any, job_config: Any):
+    def __init__(self, optimizers: Any, job_config: JobConfig):
         cfg = job_config.lr_scheduler
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             warmup_steps=cfg.warmup_steps,
             total_steps=job_config.training.steps,
             decay_ratio=cfg.decay_ratio,
@@ -71,7 +73,8 @@ class LRSchedulersContainer(Stateful):
             scheduler.step()
 
     def get_last_lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        # torch types an lr as float | Tensor; ours are floats (`optimizer.lr` times `lr_factor`)
+        return cast(float, self.schedulers[0].get_last_lr()[0])
 
     def state_dict(self) -> dict[str, Any]:
         # All schedulers advance together; the first one's counters describe them all.
@@ -101,5 +104,5 @@ class LRSchedulersContainer(Stateful):
                 group["lr"] = lr
 
 
-def build_lr_schedulers(optimizers: Any, job_config: Any) -> LRSchedulersContainer:
+def build_lr_schedulers(optimizers: Any, job_config: JobConfig) -> LRSchedulersContainer:
     return LRSchedulersContainer(optimizers, job_config)

@@ -7,10 +7,10 @@ import re
 import resource
 import sys
 import time
-from typing import Any
 
 import torch
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.logging import logger
 
 # Set by the launcher to "1" when its own console is a terminal: a rank's stderr is a pipe
@@ -67,9 +67,12 @@ class MemoryMonitor:
             return torch.cuda.max_memory_reserved()
         try:
             with open("/proc/self/status") as f:
-                return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
-        except (OSError, AttributeError):
+                hwm = re.search(r"VmHWM:\s+(\d+)", f.read())
+        except OSError:
+            hwm = None
+        if hwm is None:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return int(hwm.group(1)) * 1024
 
     def reset_peak(self) -> None:
         if self.device_type == "cuda":
@@ -87,7 +90,7 @@ class MetricsProcessor:
 
     def __init__(
         self,
-        job_config: Any,
+        job_config: JobConfig,
         device_type: str,
         flops_per_token: int,
         ranks_per_sample_stream: int,
@@ -168,6 +171,14 @@ class MetricsProcessor:
 
 
 class _Colors:
+    red: str
+    green: str
+    yellow: str
+    blue: str
+    magenta: str
+    cyan: str
+    reset: str
+
     def __init__(self, enabled: bool):
         codes = dict(red=31, green=32, yellow=33, blue=34, magenta=35, cyan=36, reset=0)
         for name, code in codes.items():

@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.config.job_config import JobConfig
+
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
@@ -55,7 +57,7 @@ class OptimizersContainer(Stateful):
             set_optimizer_state_dict(part, optimizer, state_dict, options=options)
 
 
-def build_optimizers(model_parts: list[nn.Module], job_config: Any) -> OptimizersContainer:
+def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
     cfg = job_config.optimizer
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,

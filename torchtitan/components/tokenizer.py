@@ -5,12 +5,13 @@ The repo ships a small byte-level BPE in ``tests/assets/tokenizer`` (built by
 """
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer
 
 from torchtitan.components.errors import AssetError
+from torchtitan.config.job_config import JobConfig
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_BOS, _DEFAULT_EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -100,7 +101,9 @@ class HuggingFaceTokenizer:
     def _special_id(self, token: str) -> int:
         if self._backend.token_to_id(token) is None:
             self._backend.add_special_tokens([token])
-        return self._backend.token_to_id(token)
+        token_id = self._backend.token_to_id(token)
+        assert token_id is not None  # added just above if it was missing
+        return token_id
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +128,6 @@ class HuggingFaceTokenizer:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def build_hf_tokenizer(job_config) -> HuggingFaceTokenizer:
+def build_hf_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
     """The tokenizer at ``job_config.model.tokenizer_path``."""
     return HuggingFaceTokenizer(job_config.model.tokenizer_path)

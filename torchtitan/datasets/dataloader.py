@@ -6,6 +6,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.packing import HuggingFaceDataset
 from torchtitan.errors import UserInputError
 
@@ -27,6 +28,8 @@ class ParallelAwareDataloader(DataLoader, Stateful):
     Stored as JSON bytes (no pickled objects).
     """
 
+    dataset: HuggingFaceDataset  # DataLoader types it as any Dataset
+
     def __init__(self, dataset: HuggingFaceDataset, batch_size: int):
         super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_collate)
 
@@ -46,7 +49,7 @@ class ParallelAwareDataloader(DataLoader, Stateful):
 
 
 def build_hf_dataloader(
-    dp_world_size: int, dp_rank: int, tokenizer, job_config, infinite: bool = True
+    dp_world_size: int, dp_rank: int, tokenizer, job_config: JobConfig, infinite: bool = True
 ) -> ParallelAwareDataloader:
     """The training dataloader described by ``job_config.training``.
 

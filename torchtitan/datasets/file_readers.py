@@ -13,8 +13,9 @@ A bad file raises a one-line ``AssetError``: ``<file>:<line>: <problem>; <fix>``
 """
 
 import json
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torchtitan.components.errors import AssetError
 
@@ -79,7 +80,7 @@ def _json_hint(file: Path) -> str:
     return " (a .json file holds a JSON list of objects, or one object per line)"
 
 
-def _json_lines_texts(file: Path) -> Iterator[tuple[str, int]]:
+def _json_lines_texts(file: Path) -> Generator[tuple[str, int], None, None]:
     """One JSON object per line; blank lines are skipped."""
     for lineno, line, read in _lines(file):
         if not line.strip():
@@ -94,7 +95,7 @@ def _json_lines_texts(file: Path) -> Iterator[tuple[str, int]]:
         yield _record_text(f"{file}:{lineno}", record), read
 
 
-def _json_list_texts(file: Path) -> Iterator[tuple[str, int]]:
+def _json_list_texts(file: Path) -> Generator[tuple[str, int], None, None]:
     """A JSON list of objects, parsed whole (JSON cannot be parsed in part)."""
     data = file.read_bytes()
     try:
@@ -117,13 +118,13 @@ def _starts_a_list(file: Path) -> bool:
     return head.lstrip().startswith(b"[")
 
 
-def _read_json_texts(file: Path) -> Iterator[tuple[str, int]]:
+def _read_json_texts(file: Path) -> Generator[tuple[str, int], None, None]:
     if file.suffix == ".json" and _starts_a_list(file):
         return _json_list_texts(file)
     return _json_lines_texts(file)
 
 
-def _read_parquet_texts(file: Path) -> Iterator[tuple[str, int]]:
+def _read_parquet_texts(file: Path) -> Generator[tuple[str, int], None, None]:
     """The ``text`` column, row by row; bytes read are estimated from the row count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -165,7 +166,7 @@ def _read_parquet_texts(file: Path) -> Iterator[tuple[str, int]]:
         raise unreadable(e) from e
 
 
-def _read_txt_texts(file: Path) -> Iterator[tuple[str, int]]:
+def _read_txt_texts(file: Path) -> Generator[tuple[str, int], None, None]:
     """One document per paragraph; paragraphs are separated by blank (whitespace-only) lines."""
     paragraph: list[str] = []
     read = 0
@@ -179,7 +180,7 @@ def _read_txt_texts(file: Path) -> Iterator[tuple[str, int]]:
         yield "\n".join(paragraph).strip(), read
 
 
-READERS: dict[str, Callable[[Path], Iterator[tuple[str, int]]]] = {
+READERS: dict[str, Callable[[Path], Generator[tuple[str, int], None, None]]] = {
     ".jsonl": _read_json_texts,
     ".json": _read_json_texts,
     ".parquet": _read_parquet_texts,

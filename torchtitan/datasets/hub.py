@@ -26,8 +26,9 @@ def _hub_offline() -> bool:
 _HUB_PROBE_TIMEOUT_S = 3.0
 
 
-def _first_hop(endpoint: str) -> tuple[str, int]:
-    """``(host, port)`` a request to ``endpoint`` connects to: its proxy if one applies."""
+def _first_hop(endpoint: str) -> tuple[str | None, int]:
+    """``(host, port)`` a request to ``endpoint`` connects to: its proxy if one applies
+    (whose URL may name no host)."""
     url = urllib.parse.urlsplit(endpoint)
     if not url.hostname:
         raise ValueError("no host name")

@@ -74,14 +74,14 @@ def load_local_dataset(path: str):
 
 
 def _format_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
     size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            break
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024
-    else:
-        unit = "TiB"
-    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def _sample_file(file: Path, share: int) -> tuple[int, int, bool]:

@@ -2,7 +2,8 @@
 
 import itertools
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful

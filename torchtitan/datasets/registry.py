@@ -7,11 +7,13 @@ stream from the Hugging Face Hub and fail with an ``AssetError`` when it is unre
 or folder (``local_files``); the registered name then only labels the run.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from torchtitan.components.errors import AssetError
+from torchtitan.config.job_config import Training
 from torchtitan.datasets.hub import load_hub_dataset
 from torchtitan.datasets.local_files import check_local_dataset, load_local_dataset
 
@@ -53,7 +55,7 @@ def resolve_dataset(dataset_name: str, dataset_path: str | None) -> tuple[str, D
     return config.path, config
 
 
-def check_dataset(training: Any) -> str:
+def check_dataset(training: Training) -> str:
     """What preflight checks of `[training]`'s data before any rank starts: local files
     parsed (`check_local_dataset`), a hub dataset opened; a line saying what was checked."""
     path, config = resolve_dataset(training.dataset, training.dataset_path)

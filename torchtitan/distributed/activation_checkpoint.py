@@ -7,12 +7,14 @@ chosen block in place so parameter names are unchanged apart from the wrapper pr
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import cast
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.errors import UserInputError
 from torchtitan.recompute_ops import KEPT_BY_SELECTIVE
 from torchtitan.tools.logging import logger
@@ -25,7 +27,7 @@ _aten = torch.ops.aten
 _SAVE_LIST = KEPT_BY_SELECTIVE | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
-def _op_level_policy():
+def _op_level_policy() -> tuple[AbstractContextManager, AbstractContextManager]:
     """Save the listed ops' outputs, except every second matmul (recomputing half of them
     trades a little compute for a lot of memory: the FFN's up-projection outputs)."""
     counts: dict[str, int] = defaultdict(int)
@@ -46,7 +48,7 @@ def _wrap(block: nn.Module, op_level: bool) -> nn.Module:
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_ac(model: nn.Module, ac_config: Any) -> None:
+def apply_ac(model: nn.Module, ac_config: ActivationCheckpoint) -> None:
     mode, option = ac_config.mode, ac_config.selective_ac_option
     if mode == "full":
         every, op_level = 1, False
@@ -59,9 +61,10 @@ def apply_ac(model: nn.Module, ac_config: Any) -> None:
             f"--activation_checkpoint.selective_ac_option {option!r}: use 'op' or a positive "
             "integer N (checkpoint every Nth block)"
         )
-    for i, (name, block) in enumerate(list(model.layers.items())):
+    layers = cast(nn.ModuleDict, model.layers)  # the blocks, by the contract above
+    for i, (name, block) in enumerate(list(layers.items())):
         if i % every == 0:
-            model.layers.register_module(name, _wrap(block, op_level))
+            layers.register_module(name, _wrap(block, op_level))
     logger.info(
         f"applied {mode} activation checkpointing"
         + (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+from torchtitan.config.job_config import Compile
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
 
@@ -26,7 +27,7 @@ def _require_key(inductor_config, key: str, flag: str) -> None:
         raise UserInputError(f"{flag}: this torch's inductor has no {key!r} setting")
 
 
-def inductor_settings(compile_config: Any) -> dict[str, Any]:
+def inductor_settings(compile_config: Compile) -> dict[str, Any]:
     """The inductor config values the `[compile]` knobs ask for, validated; {} for defaults."""
     import torch._inductor.comms as comms
     import torch._inductor.config as inductor_config
@@ -88,7 +89,7 @@ def inductor_settings(compile_config: Any) -> dict[str, Any]:
     return settings
 
 
-def apply_inductor_comms_knobs(compile_config: Any) -> dict[str, Any]:
+def apply_inductor_comms_knobs(compile_config: Compile) -> dict[str, Any]:
     """Validate and set the knobs on torch._inductor.config; returns what was set."""
     settings = inductor_settings(compile_config)
     if settings:

@@ -106,6 +106,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         partial = [Partial() if i in sharded else Replicate() for i in range(mesh.ndim)]
         full = DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
         total_sq = full if total_sq is None else total_sq + full
+    assert total_sq is not None  # grads is not empty: some gradient was summed in
     total_norm = total_sq.sqrt()
     if max_norm > 0:
         clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)

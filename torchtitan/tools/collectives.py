@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Mapping
 
 BACKENDS = ("gloo:", "nccl:")
 
@@ -30,7 +31,7 @@ def count_collectives(enabled: bool = True):
             counts[event.name.split(":", 1)[1]] += 1
 
 
-def summary(counts: Counter) -> str:
+def summary(counts: Mapping[str, int]) -> str:
     parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     return f"{sum(counts.values())} collectives ({parts or 'none'})"
 

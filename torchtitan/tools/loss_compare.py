@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -64,7 +65,7 @@ class Run:
     def losses(self) -> dict[int, float]:
         return read_tb_losses(self.dump_folder / "tb")
 
-    def check(self) -> "Run":
+    def check(self) -> Run:
         assert self.returncode == 0, (
             f"training failed (rc {self.returncode}):\n{self.output[-6000:]}"
         )
@@ -249,7 +250,7 @@ def read_golden(path: str | Path) -> dict[int, float]:
     return dict(sorted(losses.items()))
 
 
-def write_golden(path: str | Path, losses: dict[int, float], comments: list[str] = ()) -> None:
+def write_golden(path: str | Path, losses: dict[int, float], comments: Sequence[str] = ()) -> None:
     """Write `losses` as "step loss" lines (repr floats, exact round trip) after `# ` comments."""
     lines = [f"# {c}" for c in comments]
     lines += [f"{step} {float(losses[step])!r}" for step in sorted(losses)]
@@ -259,8 +260,10 @@ def write_golden(path: str | Path, losses: dict[int, float], comments: list[str]
 def _read_text(path: str | Path) -> str:
     try:
         return Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise LossCompareError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:  # has no strerror
+        raise LossCompareError(f"{path}: cannot read ({e})") from None
 
 
 class Mismatch(NamedTuple):

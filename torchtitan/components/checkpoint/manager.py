@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint.folders import (
@@ -41,6 +42,7 @@ from torchtitan.components.checkpoint.safe_load import (
     one_line_reason,
     read_keys,
 )
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
 
@@ -61,7 +63,7 @@ class CheckpointManager:
         optimizers: Stateful,
         lr_schedulers: Stateful,
         states: dict[str, Stateful],
-        job_config: Any,
+        job_config: JobConfig,
     ):
         cfg = self.cfg = job_config.checkpoint
         self.enable = cfg.enable
@@ -245,8 +247,8 @@ class CheckpointManager:
         tmp = self.folder / f"step-{curr_step}.tmp-{self._run_id}"
         writer = CheckpointWriter(tmp)
         if self.cfg.async_mode == "async":
-            future = dcp.async_save(state_dict, storage_writer=writer, process_group=self._async_pg)
-            future = getattr(future, "upload_completion", future)
+            saving = dcp.async_save(state_dict, storage_writer=writer, process_group=self._async_pg)
+            future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
             self._pending = (future, tmp, final, curr_step, start, model_only)
             logger.info(
                 "checkpoint step-%d: staged in %.1f s, writing in the background",

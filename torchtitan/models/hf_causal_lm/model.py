@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -56,7 +58,7 @@ class HFModelArgs(BaseModelArgs):
     config_path: str = ""
     config: Any = field(default=None, repr=False)
 
-    def update_from_config(self, job_config: Any, tokenizer: Any) -> None:
+    def update_from_config(self, job_config: JobConfig, tokenizer: Any) -> None:
         transformers = import_transformers()
         path = config_file(self.config_path)
         try:
@@ -104,7 +106,9 @@ class HFModelArgs(BaseModelArgs):
         """Parameters and training FLOPs per token, counted as for Llama 3: 6 per
         non-embedding parameter plus the attention score and value matmuls."""
         nparams = sum(p.numel() for p in model.parameters())
-        embedding = model.get_input_embeddings().weight.numel()
+        # a transformers model (`build_hf_causal_lm`), whose methods nn.Module does not declare
+        get_input_embeddings = cast(Callable[[], nn.Embedding], model.get_input_embeddings)
+        embedding = get_input_embeddings().weight.numel()
         cfg = self.config
         layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -112,7 +116,7 @@ class HFModelArgs(BaseModelArgs):
 
 
 @functools.cache
-def _logits_class(cls: type) -> type:
+def _logits_class(cls: type[nn.Module]) -> type:
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return cls.forward(self, input_ids=input_ids).logits
 
@@ -137,5 +141,7 @@ def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:
     # a tensor some model code creates with an explicit device (diffllama's `torch.normal`
     # lambdas) joins the others; `init_weights` gives it its value later
     model.to(torch.get_default_device())
-    model.__class__ = _logits_class(type(model))
+    # typed `type`: mypy takes type[Any] for unhashable (python/mypy#11470)
+    model_class: type = type(model)
+    model.__class__ = _logits_class(model_class)
     return model

@@ -1,5 +1,8 @@
 """The `llama3` TrainSpec: Llama 3 with hand-written parallelism."""
 
+from collections.abc import Callable
+from typing import Any, cast
+
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
@@ -8,6 +11,7 @@ from torchtitan.datasets.dataloader import build_hf_dataloader
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_configs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import check_llama_parallelism, parallelize_llama
+from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.train_spec import TrainSpec
 
 __all__ = ["Transformer", "TransformerModelArgs", "llama3_configs", "get_train_spec"]
@@ -18,7 +22,9 @@ def get_train_spec() -> TrainSpec:
     `parallelize_fn` and its `check_parallelism_fn`."""
     return TrainSpec(
         name="llama3",
-        model_cls=Transformer,
+        # called only with this spec's flavors (TransformerModelArgs), which TrainSpec's
+        # Callable[[BaseModelArgs], Any] cannot say
+        model_cls=cast(Callable[[BaseModelArgs], Any], Transformer),
         flavors=llama3_configs,
         parallelize_fn=parallelize_llama,
         check_parallelism_fn=check_llama_parallelism,

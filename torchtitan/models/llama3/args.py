@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.protocols.model import BaseModelArgs
 
 LLAMA3_VOCAB_SIZE = 128_256
@@ -51,7 +52,7 @@ class TransformerModelArgs(BaseModelArgs):
             "vocab_size": self.vocab_size,
         }
 
-    def update_from_config(self, job_config: Any, tokenizer: Any) -> None:
+    def update_from_config(self, job_config: JobConfig, tokenizer: Any) -> None:
         self.vocab_size = tokenizer.vocab_size
         self.max_seq_len = job_config.training.seq_len
 

@@ -43,9 +43,10 @@ def fsdp_tp_plan(params: dict[str, tuple[int, ...]], names) -> dict[str, Placeme
     result from sharding the *other* matrix dim on dp where tp splits dim 0, which is what
     is pinned."""
     dp, tp = dp_dim(names), tp_dim(names)
-    out = {}
+    out: dict[str, Placements] = {}
     for f, shape in params.items():
         leaf = f.split(".")[-2] if f.endswith(".weight") else f.split(".")[-1]
+        on_tp: Placement
         if leaf in COLWISE or leaf in ("output", "tok_embeddings"):
             on_tp = Shard(0)
         elif leaf in ROWWISE:

@@ -8,6 +8,7 @@ projections across ranks.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +113,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cache: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, model_args: TransformerModelArgs):
         super().__init__()
         self.model_args = model_args
@@ -142,7 +145,8 @@ class Transformer(nn.Module):
             self.rope_cache = self._rope_cache().to(buffer_device)
             nn.init.normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
-                layer.init_weights()
+                # a TransformerBlock, or a wrapper (activation checkpointing) forwarding to one
+                cast(TransformerBlock, layer).init_weights()
             self.norm.reset_parameters()
             std = self.model_args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

@@ -7,7 +7,7 @@ FSDP hooks go outermost so parameter gathers are not recompiled or recomputed.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -20,15 +20,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
 from torchtitan.errors import UserInputError
+from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 from torchtitan.torch_private import replicate
 
 
-def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_config: Any) -> None:
+def check_llama_parallelism(
+    model_args: BaseModelArgs, parallel_dims: ParallelDims, job_config: JobConfig
+) -> None:
     """What Megatron-style TP and DDP need of the mesh (see `TrainSpec.check_parallelism_fn`):
     the tp degree divides heads, kv-heads, dim, the SwiGLU width, the vocabulary (when the
     loss is vocabulary-parallel) and the sequence (sequence parallelism); DDP is not
@@ -50,7 +54,9 @@ def check_llama_parallelism(model_args: Any, parallel_dims: ParallelDims, job_co
         )
 
 
-def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: Any) -> nn.Module:
+def parallelize_llama(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
     training = job_config.training
     if job_config.parallelism.fsdp_reshard_after_forward == "auto":
         raise UserInputError(
@@ -69,7 +75,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        for block in model.layers.values():
+        for block in _blocks(model):
             block.compile(fullgraph=True)
         logger.info("compiled each transformer block with torch.compile")
 
@@ -87,6 +93,11 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         replicate(model, device_mesh=parallel_dims.world_mesh["dp_replicate"], bucket_cap_mb=100)
         logger.info("applied DDP to the model")
     return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, in order (`model.layers`, a ModuleDict)."""
+    return list(cast(nn.ModuleDict, model.layers).values())
 
 
 def _redistribute_output_sync(output_layouts, use_local_output, mod, outputs, device_mesh):
@@ -150,7 +161,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
             ),
         },
     )
-    for block in model.layers.values():
+    for block in _blocks(model):
         parallelize_module(
             block,
             tp_mesh,
@@ -189,7 +200,7 @@ def apply_fsdp(
     """
     names = parallel_dims.dp_mesh_names
     mesh = parallel_dims.world_mesh[names if len(names) > 1 else names[0]]
-    blocks = list(model.layers.values())
+    blocks = _blocks(model)
     for i, block in enumerate(blocks):
         if reshard_after_forward_policy == "default":
             reshard = i < len(blocks) - 1
