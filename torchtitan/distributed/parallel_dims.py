@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -52,6 +53,20 @@ def check_search_degrees(parallelism, world_size: int) -> None:
             f"the fixed parallelism degrees multiply to {fixed}, which does not divide the "
             f"world size {world_size}; leave more of them to the search (auto)"
         )
+
+
+def tensor_parallel_misfits(
+    sizes: Mapping[str, int], tp: int, seq_len: int, loss_parallel: bool
+) -> list[str]:
+    """The one rule for a tensor-parallel degree: `tp` must divide the model's split sizes
+    (`BaseModelArgs.tensor_parallel_sizes`: heads, kv-heads, hidden sizes; the vocabulary
+    only when the loss is vocabulary-parallel) and the sequence (sequence parallelism).
+    Returns "name size" for each it does not divide ([] when it fits; always for tp 1)."""
+    sizes = dict(sizes)
+    if tp == 1 or not loss_parallel:
+        sizes.pop("vocab_size", None)
+    sizes["training.seq_len"] = seq_len
+    return [f"{name} {size}" for name, size in sizes.items() if size % tp]
 
 
 def mesh_dims(dp_replicate: int, dp_shard: int, tp: int) -> list[tuple[str, int]]:
@@ -182,21 +197,16 @@ class ParallelDims:
         return self.tp_enabled and self.enable_loss_parallel
 
     def check_tensor_parallel_sizes(self, sizes: dict[str, int], seq_len: int, model: str) -> None:
-        """Refuse a tp degree that does not divide the model's split sizes (see
-        `BaseModelArgs.tensor_parallel_sizes`) or the sequence (sequence parallelism)."""
-        if not self.tp_enabled:
-            return
-        sizes = dict(sizes)
-        if not self.loss_parallel_enabled:
-            sizes.pop("vocab_size", None)
-        sizes["training.seq_len"] = seq_len
-        bad = [f"{name} {size}" for name, size in sizes.items() if size % self.tp]
+        """Refuse a tp degree that breaks `tensor_parallel_misfits`, naming the degrees of
+        this world that fit."""
+        bad = tensor_parallel_misfits(sizes, self.tp, seq_len, self.enable_loss_parallel)
         if not bad:
             return
         fits = [
             d
             for d in range(1, self.world_size + 1)
-            if self.world_size % d == 0 and all(s % d == 0 for s in sizes.values())
+            if self.world_size % d == 0
+            and not tensor_parallel_misfits(sizes, d, seq_len, self.enable_loss_parallel)
         ]
         raise ParallelismConfigError(
             f"--parallelism.tensor_parallel_degree {self.tp} does not divide "

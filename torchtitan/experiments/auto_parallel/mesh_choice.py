@@ -27,7 +27,11 @@ from torchtitan.autoparallel.mesh_search import (
     factorisations,
     search_meshes,
 )
-from torchtitan.distributed.parallel_dims import mesh_dims, open_degrees
+from torchtitan.distributed.parallel_dims import (
+    mesh_dims,
+    open_degrees,
+    tensor_parallel_misfits,
+)
 from torchtitan.distributed.utils import device_type
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
@@ -63,11 +67,9 @@ def candidate_degrees(
     keep, skipped = [], []
     for degrees in factorisations(world_size, list(open_degrees(parallelism).items())):
         tp, dp = degrees["tp"], degrees["dp_replicate"] * degrees["dp_shard"]
-        sizes = dict(tp_sizes)
-        if tp == 1 or parallelism.disable_loss_parallel:
-            sizes.pop("vocab_size", None)
-        sizes["training.seq_len"] = seq_len
-        bad = [f"{name} {size}" for name, size in sizes.items() if size % tp]
+        bad = tensor_parallel_misfits(
+            tp_sizes, tp, seq_len, loss_parallel=not parallelism.disable_loss_parallel
+        )
         if bad:
             skipped.append((degrees, f"tp {tp} does not divide {', '.join(bad)}"))
         elif gpus_per_node is not None and tp > gpus_per_node:
