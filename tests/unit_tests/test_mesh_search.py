@@ -270,6 +270,24 @@ def test_plan_cache_makes_the_same_choice(tmp_path):
     assert [r.predicted for r in again.results] == [r.predicted for r in first.results]
 
 
+def test_the_chosen_plan_comes_back_and_applies_from_the_same_trace():
+    """The search returns the chosen mesh's plan (also through the JSON a trainer
+    broadcasts): applied on the real mesh from the search's own trace, with no solve."""
+    model, shape = meta_mlp(64, 128), (64, 512, 64)
+    cost = CostModel.for_device("h100", gpus_per_node=4)
+    mesh = planning_mesh("cpu", DP8.shape, DP8.names)
+    with AutoParallel(model, lambda: torch.randn(*shape), mesh, cost_model=cost) as root:
+        result = search_meshes(root, [DP8, DP4_TP2], constrain_with())
+        assert result.best.mesh == DP8 and result.plan is not None
+        assert result.plan.predicted == result.best.predicted
+        assert (result.plan.mesh_shape, result.plan.mesh_dim_names) == ([8], ["dp_shard"])
+        again = MeshSearch.from_json(result.to_json())
+        assert again.plan == result.plan
+        real = root.on_mesh(init_device_mesh("cpu", DP8.shape, mesh_dim_names=DP8.names))
+        assert isinstance(real.apply_placement(again.plan), nn.Module)
+        assert "solve" not in real.timings
+
+
 # ------------------------------------------------------------------ MeshSearch by hand
 def _result(cand, step_us, gap, note=""):
     predicted = (

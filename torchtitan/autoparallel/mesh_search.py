@@ -7,6 +7,9 @@ each one from a single trace (`AutoParallel.on_mesh`: strategies, costs and prog
 per mesh) under the same constraints (`constrain(autop, candidate)` adds them: pins,
 budgets), and chooses the smallest predicted step among those that fit.  A candidate the
 memory budget rules out, or whose constraints cannot hold, is reported with the reason.
+The answer carries the chosen candidate's plan (`MeshSearch.plan`): the caller applies it
+on that mesh from the same trace (`autop.on_mesh(mesh).apply_placement(plan)`) instead of
+tracing and solving the chosen mesh again.
 Steps within `TIE_REL` of each other tie; the caller's `tie_break` key settles it (the
 trainer prefers fewer tensor-parallel ranks).
 
@@ -81,6 +84,7 @@ class MeshSearch:
     results: list[CandidateResult]
     chosen: int  # index into results
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (mesh label, why not tried)
+    plan: Plan | None = None  # the chosen candidate's plan (None: not kept)
 
     @property
     def best(self) -> CandidateResult:
@@ -166,6 +170,7 @@ class MeshSearch:
                 "proven_margin": (
                     None if self.proven_margin in (None, math.inf) else self.proven_margin
                 ),
+                "plan": json.loads(self.plan.to_json()) if self.plan is not None else None,
             },
             indent=1,
         )
@@ -185,7 +190,9 @@ class MeshSearch:
             for r in data["results"]
         ]
         skipped = [tuple(s) for s in data["skipped"]]
-        return cls(data["world"], results, data["chosen"], skipped)
+        plan = data.get("plan")
+        plan = Plan.from_json(json.dumps(plan)) if plan is not None else None
+        return cls(data["world"], results, data["chosen"], skipped, plan)
 
 
 def factorisations(world: int, dims: Sequence[tuple[str, int | None]]) -> list[dict[str, int]]:
@@ -223,23 +230,26 @@ def search_meshes(
     device_type: str = "cpu",
     skipped: Sequence[tuple[str, str]] = (),
 ) -> MeshSearch:
-    """Plan `autop`'s model (an entered `AutoParallel`) on every candidate and choose.
+    """Plan `autop`'s model (an entered `AutoParallel`) on every candidate and choose;
+    the answer holds the chosen candidate's plan (`MeshSearch.plan`), to apply from
+    `autop`'s trace on the real mesh of that shape without solving it again.
 
     Runs in this process only (the candidates' meshes have no process groups); a trainer
-    calls it on one rank and shares the answer.  With `cache_dir` every candidate's plan is
-    read from / written to the plan cache, so a restart repeats the search from the cache
-    and the chosen mesh's plan is already there when the job applies it.
+    calls it on one rank and shares the answer (`to_json` carries the plan).  With
+    `cache_dir` every candidate's plan is read from / written to the plan cache, so a
+    restart repeats the search from the cache.
     """
     if not candidates:
         raise PlannerError("mesh search: no candidate mesh")
-    results = []
+    results, plans = [], []
     for cand in candidates:
         t0 = time.perf_counter()
         sub = autop.on_mesh(planning_mesh(device_type, cand.shape, cand.names))
         result = CandidateResult(cand)
+        plan: Plan | None = None
         try:
             constrain(sub, cand)
-            plan: Plan = sub.optimize_placement(cache_dir=cache_dir)
+            plan = sub.optimize_placement(cache_dir=cache_dir)
             result.predicted = dict(plan.predicted)
             result.gap = plan.solver.get("gap")
             result.objective = plan.solver.get("objective")
@@ -253,6 +263,7 @@ def search_meshes(
             result.plan_s,
         )
         results.append(result)
+        plans.append(plan)
     fitting = [i for i, r in enumerate(results) if r.fits]
     if not fitting:
         notes = "; ".join(f"{r.mesh.label()}: {r.note}" for r in results)
@@ -260,4 +271,5 @@ def search_meshes(
     fastest = min(results[i].step_us for i in fitting)
     tied = [i for i in fitting if results[i].step_us <= fastest * (1 + TIE_REL)]
     chosen = min(tied, key=lambda i: tie_break(results[i].mesh)) if tie_break else tied[0]
-    return MeshSearch(math.prod(candidates[0].shape), results, chosen, list(skipped))
+    world = math.prod(candidates[0].shape)
+    return MeshSearch(world, results, chosen, list(skipped), plans[chosen])
