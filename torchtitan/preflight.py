@@ -15,8 +15,10 @@ import tempfile
 from pathlib import Path
 
 from torchtitan.config import main_parse
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.resolve import check_mesh_search_possible, resolve, resolve_model_args
 from torchtitan.config.validate import validate_job_config
-from torchtitan.distributed.parallel_dims import ParallelDims, mesh_search_requested
+from torchtitan.distributed.parallel_dims import mesh_search_requested
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 
@@ -46,7 +48,7 @@ def check_writable_folder(path: Path, option: str) -> None:
         ) from None
 
 
-def output_folders(job_config) -> list[tuple[Path, str]]:
+def output_folders(job_config: JobConfig) -> list[tuple[Path, str]]:
     """(folder, option) for everything the run will write."""
     dump = Path(job_config.job.dump_folder)
     folders = [(dump, "--job.dump_folder")]
@@ -57,15 +59,11 @@ def output_folders(job_config) -> list[tuple[Path, str]]:
     return folders
 
 
-def check(job_config, world_size: int) -> str:
-    """Raise `UserInputError` for the first problem; else a line saying what was checked."""
+def check(job_config: JobConfig, world_size: int) -> str:
+    """Raise `UserInputError` for the first problem; else a line saying what was checked.
+    The mesh and batch are resolved as the trainer resolves them (`config.resolve`)."""
     from torchtitan.datasets import check_dataset
     from torchtitan.distributed.inductor_comms import inductor_settings
-    from torchtitan.train import (
-        check_mesh_search_possible,
-        grad_accumulation_steps,
-        resolve_model_args,
-    )
 
     validate_job_config(job_config)
     import_custom_module(job_config.experimental.custom_import)
@@ -78,11 +76,7 @@ def check(job_config, world_size: int) -> str:
         check_mesh_search_possible(spec, job_config.parallelism, world_size)
         mesh = "auto (the spec's mesh search plans every candidate at start)"
     else:
-        dims = ParallelDims.from_config(job_config.parallelism, world_size)
-        if spec.check_parallelism_fn is not None:
-            spec.check_parallelism_fn(model_args, dims, job_config)
-        grad_accumulation_steps(job_config.training, dims.dp_degree)
-        mesh = f"{dims.dp_replicate}x{dims.dp_shard}x{dims.tp} (replicate x shard x tp)"
+        mesh = resolve(spec, job_config, model_args, world_size).mesh_label()
     data = check_dataset(job_config.training)
     for folder, option in output_folders(job_config):
         check_writable_folder(folder, option)

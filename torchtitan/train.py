@@ -11,7 +11,6 @@ Run with `python -m torchtitan.train --job.config_file ...` under torchrun
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import os
 import sys
@@ -25,87 +24,19 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig, main_parse, to_toml
+from torchtitan.config.job_config import Comm
+from torchtitan.config.resolve import resolve, resolve_model_args, search_mesh
 from torchtitan.config.validate import validate_job_config
-from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
 from torchtitan.distributed.init_check import every_value_initialised
-from torchtitan.distributed.parallel_dims import (
-    AUTO,
-    DEGREES,
-    ParallelismConfigError,
-    check_search_degrees,
-    mesh_search_requested,
-)
+from torchtitan.distributed.parallel_dims import mesh_search_requested
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
 from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives
 from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
-
-
-def grad_accumulation_steps(training: Any, dp_degree: int) -> int:
-    """Micro-batches per optimizer step so that a step sees `global_batch_size` samples."""
-    per_step = training.local_batch_size * dp_degree
-    global_batch = training.global_batch_size if training.global_batch_size > 0 else per_step
-    if global_batch % per_step:
-        raise UserInputError(
-            f"--training.global_batch_size {global_batch} is not a multiple of "
-            f"local_batch_size {training.local_batch_size} × data-parallel degree {dp_degree}"
-        )
-    return global_batch // per_step
-
-
-def resolve_model_args(spec: Any, job_config: JobConfig, tokenizer: Any) -> Any:
-    """The flavor's model args, completed from the job config and tokenizer."""
-    flavor = job_config.model.flavor
-    if flavor not in spec.flavors:
-        raise UserInputError(
-            f"--model.flavor: unknown flavor {flavor!r} for {spec.name}; "
-            f"choose from {', '.join(spec.flavors)}"
-        )
-    model_args = copy.deepcopy(spec.flavors[flavor])  # may explain a bad flavor itself
-    model_args.update_from_config(job_config, tokenizer)
-    return model_args
-
-
-def resolve_auto_parallelism(spec, model, model_args, job_config, world_size: int) -> None:
-    """Replace `auto` parallelism degrees by the spec's mesh search (`choose_mesh_fn`).
-
-    Every candidate mesh trains the same global batch: `global_batch_size`, or what a
-    pure data-parallel mesh of this world gives (`local_batch_size` x world size); the
-    chosen mesh's data-parallel ranks split it in one micro-batch each."""
-    parallelism, training = job_config.parallelism, job_config.training
-    if not mesh_search_requested(parallelism):
-        return
-    check_mesh_search_possible(spec, parallelism, world_size)
-    global_batch = (
-        training.global_batch_size
-        if training.global_batch_size > 0
-        else training.local_batch_size * world_size
-    )
-    degrees = spec.choose_mesh_fn(model, model_args, job_config, world_size, global_batch)
-    for name, option in DEGREES:
-        setattr(parallelism, option, degrees[name])
-    training.local_batch_size = global_batch // (degrees["dp_replicate"] * degrees["dp_shard"])
-    training.global_batch_size = global_batch
-    logger.info(
-        "mesh search chose "
-        + ", ".join(f"{o} {degrees[n]}" for n, o in DEGREES)
-        + f"; global batch {global_batch}, local batch {training.local_batch_size}"
-    )
-
-
-def check_mesh_search_possible(spec, parallelism, world_size: int) -> None:
-    """`auto` needs a spec that can choose its mesh, and fixed degrees the world allows."""
-    if spec.choose_mesh_fn is None:
-        option = next(o for _, o in DEGREES if getattr(parallelism, o) == AUTO)
-        raise ParallelismConfigError(
-            f"--parallelism.{option} auto: the {spec.name} spec cannot choose its mesh "
-            "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
-        )
-    check_search_degrees(parallelism, world_size)
 
 
 def _use_rank_inductor_cache(rank: int) -> None:
@@ -131,8 +62,11 @@ def _use_rank_inductor_cache(rank: int) -> None:
 
 
 class Trainer:
+    """`user_config` is the config as typed (never changed); `job_config` is the resolved
+    copy the run uses (`config.resolve`: degrees and batch sizes settled)."""
+
     def __init__(self, job_config: JobConfig):
-        self.job_config = job_config
+        self.user_config = job_config
         validate_job_config(job_config)
         import_custom_module(job_config.experimental.custom_import)
         if job_config.job.print_config and int(os.environ.get("RANK", "0")) == 0:
@@ -150,9 +84,15 @@ class Trainer:
         model_args = resolve_model_args(spec, job_config, self.tokenizer)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
-        resolve_auto_parallelism(spec, model, model_args, job_config, world_size)
+        mesh_choice = None  # the spec's mesh search's answer, with the plan it keeps
+        if mesh_search_requested(job_config.parallelism):
+            mesh_choice = search_mesh(spec, model, model_args, job_config, world_size)
+        self.resolved = resolve(spec, job_config, model_args, world_size, mesh_choice)
+        if self.rank == 0:
+            logger.info(self.resolved.describe(self.user_config))
+        self.job_config = job_config = self.resolved.job_config  # what the run uses
 
-        self.parallel_dims = ParallelDims.from_config(job_config.parallelism, world_size)
+        self.parallel_dims = self.resolved.parallel_dims()
         self.parallel_dims.build_mesh(self.device.type)
         self.dp_mesh = self.parallel_dims.dp_mesh()
         dp_degree = self.parallel_dims.dp_degree
@@ -161,9 +101,7 @@ class Trainer:
         self.dataloader = spec.build_dataloader_fn(dp_degree, dp_rank, self.tokenizer, job_config)
 
         training = job_config.training
-        self.grad_accumulation_steps = grad_accumulation_steps(training, dp_degree)
-        if spec.check_parallelism_fn is not None:
-            spec.check_parallelism_fn(model_args, self.parallel_dims, job_config)
+        self.grad_accumulation_steps = self.resolved.grad_accumulation_steps
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, training.seq_len)
         logger.info(
             f"{job_config.job.description}: {spec.name} {job_config.model.flavor}, "
@@ -171,7 +109,14 @@ class Trainer:
         )
 
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
-        model = spec.parallelize_fn(model, self.parallel_dims, job_config)
+        if mesh_choice is not None and mesh_choice.plan is not None:
+            # the spec applies the plan its search made for this mesh
+            model = spec.parallelize_fn(
+                model, self.parallel_dims, job_config, mesh_choice=mesh_choice
+            )
+        else:
+            model = spec.parallelize_fn(model, self.parallel_dims, job_config)
+        del mesh_choice  # the search's planner and trace are not needed past this point
         model.to_empty(device=self.device)
         with torch.no_grad(), exact_sharded_init(model), every_value_initialised(model):
             model.init_weights()
@@ -283,7 +228,7 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _timeout_explained(step: int, comm: Any):
+def _timeout_explained(step: int, comm: Comm):
     """Name the option behind a collective that timed out once training runs."""
     try:
         yield

@@ -1,5 +1,5 @@
 """`--parallelism.<degree> auto`: parsing, the degree helpers, who may ask for it (the
-planner specs), preflight, and how the trainer writes the chosen mesh back into the job."""
+planner specs), preflight, and how the chosen mesh is resolved (the user's job untouched)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from torchtitan import preflight
 from torchtitan.config import ConfigError, ConfigManager, to_toml
 from torchtitan.config.job_config import Parallelism
+from torchtitan.config.resolve import check_mesh_search_possible, resolve, search_mesh
 from torchtitan.distributed.parallel_dims import (
     AUTO,
     DEGREES,
@@ -20,8 +21,7 @@ from torchtitan.distributed.parallel_dims import (
     mesh_search_requested,
     open_degrees,
 )
-from torchtitan.protocols.train_spec import get_train_spec
-from torchtitan.train import check_mesh_search_possible, resolve_auto_parallelism
+from torchtitan.protocols.train_spec import MeshChoice, get_train_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_TOML = "torchtitan/models/llama3/train_configs/debug_model.toml"
@@ -175,6 +175,7 @@ class StubSpec:
     """A spec whose mesh search answers dp_shard 2 x tp 2 and records what it was given."""
 
     name = "stub"
+    check_parallelism_fn = None
 
     def __init__(self, degrees=None):
         self.degrees = degrees or {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
@@ -185,49 +186,95 @@ class StubSpec:
         return dict(self.degrees)
 
 
-def test_resolve_writes_degrees_and_splits_the_pure_data_parallel_batch():
+def _search_and_resolve(spec, model, model_args, job_config, world_size):
+    """What the trainer does for a job with `auto` degrees."""
+    choice = search_mesh(spec, model, model_args, job_config, world_size)
+    return resolve(spec, job_config, model_args, world_size, choice)
+
+
+def test_resolve_fills_in_degrees_and_splits_the_pure_data_parallel_batch():
     job_config = parse(
         "--parallelism.tensor_parallel_degree", "auto", "--training.local_batch_size", "3"
     )
+    typed = job_config.to_dict()
     spec, model, model_args = StubSpec(), object(), SimpleNamespace()
-    resolve_auto_parallelism(spec, model, model_args, job_config, 4)
+    resolved = _search_and_resolve(spec, model, model_args, job_config, 4)
     # the global batch is what a pure data-parallel mesh of 4 gives: 3 x 4
     assert spec.calls == [(model, model_args, job_config, 4, 12)]
-    p, training = job_config.parallelism, job_config.training
+    p, training = resolved.job_config.parallelism, resolved.job_config.training
     assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (1, 2)
     assert p.tensor_parallel_degree == 2
     assert training.local_batch_size == 6 and training.global_batch_size == 12
     assert not mesh_search_requested(p)
     dims = ParallelDims.from_config(p, 4)  # now a mesh the trainer can build
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (1, 2, 2)
+    # the resolution itself, and the user's config as typed
+    assert (resolved.dp_replicate, resolved.dp_shard, resolved.tp) == (1, 2, 2)
+    assert (resolved.local_batch_size, resolved.global_batch_size) == (6, 12)
+    assert resolved.grad_accumulation_steps == 1 and resolved.mesh_searched
+    assert job_config.to_dict() == typed
+    assert resolved.describe(job_config) == (
+        "resolved config: replicate 1 x shard 2 x tp 2 (mesh search), local batch 6, "
+        "global batch 12, grad accumulation 1 (as typed: replicate 1 x shard -1 x tp auto, "
+        "local batch 3, global batch -1)"
+    )
 
 
 def test_resolve_keeps_a_given_global_batch():
     job_config = parse(
         "--parallelism.tensor_parallel_degree", "auto", "--training.global_batch_size", "20"
     )
+    typed = job_config.to_dict()
     spec = StubSpec({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
-    resolve_auto_parallelism(spec, None, None, job_config, 8)
+    resolved = _search_and_resolve(spec, None, None, job_config, 8)
     assert [call[-1] for call in spec.calls] == [20]
-    p = job_config.parallelism
+    p = resolved.job_config.parallelism
     assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (2, 2)
     assert p.tensor_parallel_degree == 2
-    assert job_config.training.local_batch_size == 5  # 20 over 4 data-parallel ranks
-    assert job_config.training.global_batch_size == 20
+    assert resolved.job_config.training.local_batch_size == 5  # 20 over 4 data-parallel ranks
+    assert resolved.job_config.training.global_batch_size == 20
+    assert (resolved.local_batch_size, resolved.global_batch_size) == (5, 20)
+    assert job_config.to_dict() == typed
+
+
+def test_a_mesh_choice_with_a_plan_is_passed_on_as_is():
+    job_config = parse("--parallelism.tensor_parallel_degree", "auto")
+    plan = object()
+
+    class PlanningSpec(StubSpec):
+        def choose_mesh_fn(self, *args):
+            return MeshChoice({"dp_replicate": 1, "dp_shard": 1, "tp": 4}, plan)
+
+    choice = search_mesh(PlanningSpec(), None, None, job_config, 4)
+    assert choice.plan is plan and dict(choice.degrees) == {
+        "dp_replicate": 1,
+        "dp_shard": 1,
+        "tp": 4,
+    }
+    resolved = resolve(PlanningSpec(), job_config, None, 4, choice)
+    assert (resolved.tp, resolved.local_batch_size, resolved.global_batch_size) == (4, 32, 32)
 
 
 def test_resolve_does_nothing_without_auto_and_refuses_a_spec_that_cannot_search():
     job_config = parse("--parallelism.tensor_parallel_degree", "2")
     before = job_config.to_dict()
     spec = StubSpec()
-    resolve_auto_parallelism(spec, None, None, job_config, 4)
+    resolved = resolve(spec, job_config, None, 4)
     assert spec.calls == [] and job_config.to_dict() == before
+    assert (resolved.dp_replicate, resolved.dp_shard, resolved.tp) == (1, 2, 2)
+    assert not resolved.mesh_searched and resolved.grad_accumulation_steps == 1
+    # -1 resolved in the copy the run uses, as typed in the user's
+    assert resolved.job_config.training.global_batch_size == 16
+    assert job_config.training.global_batch_size == -1
 
     manual = SimpleNamespace(name="manual", choose_mesh_fn=None)
     job_config = parse("--parallelism.data_parallel_shard_degree", "auto")
     with pytest.raises(ParallelismConfigError, match="^--parallelism.data_parallel_shard_degree "):
-        resolve_auto_parallelism(manual, None, None, job_config, 4)
+        search_mesh(manual, None, None, job_config, 4)
     assert job_config.parallelism.data_parallel_shard_degree == "auto"
+    # without a search's answer an auto degree is refused, as ParallelDims refuses it
+    with pytest.raises(ParallelismConfigError, match="^--parallelism.data_parallel_shard_degree "):
+        resolve(manual, job_config, None, 4)
 
 
 @pytest.mark.parametrize(

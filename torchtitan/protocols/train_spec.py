@@ -26,13 +26,27 @@ _REGISTERED: dict[str, "TrainSpec"] = {}
 
 
 @dataclass(frozen=True)
+class MeshChoice:
+    """A spec's mesh search's answer (`TrainSpec.choose_mesh_fn`)."""
+
+    degrees: Mapping[str, int]
+    """The chosen mesh: {"dp_replicate", "dp_shard", "tp"}."""
+    plan: Any = None
+    """The spec's own record of how it parallelises the model on that mesh (the planner
+    specs: the chosen plan and the planner that traced the model), handed back to its
+    `parallelize_fn`, which applies it instead of planning again; None: nothing kept."""
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     name: str
     model_cls: Callable[[BaseModelArgs], Any]
     """Builds the model from its args (a class, or a factory); called under the meta device."""
     flavors: Mapping[str, BaseModelArgs]
     parallelize_fn: Callable[..., Any]
-    """(model, parallel_dims, job_config) -> model; runs on the meta-device model."""
+    """(model, parallel_dims, job_config) -> model; runs on the meta-device model.  When
+    `choose_mesh_fn` chose the mesh and its answer carries a plan, that answer comes too,
+    as the keyword `mesh_choice=`."""
     build_optimizers_fn: Callable[..., Any]
     build_lr_schedulers_fn: Callable[..., Any]
     build_dataloader_fn: Callable[..., Any]
@@ -42,10 +56,11 @@ class TrainSpec:
     """(model_args, parallel_dims, job_config) -> None: raises `UserInputError` for a mesh
     `parallelize_fn` cannot apply (e.g. a tp degree that does not divide the heads).  Run
     before any rank starts (preflight) and again by the trainer; None accepts any mesh."""
-    choose_mesh_fn: Callable[..., dict[str, int]] | None = None
-    """(meta model, model_args, job_config, world_size, global_batch) -> degrees
-    {"dp_replicate", "dp_shard", "tp"} for a job that leaves some to `auto`; called on every
-    rank before the mesh exists.  None: the spec cannot choose (`auto` is an error)."""
+    choose_mesh_fn: Callable[..., MeshChoice | Mapping[str, int]] | None = None
+    """(meta model, model_args, job_config, world_size, global_batch) -> `MeshChoice` (or
+    just its degrees) for a job that leaves some degrees to `auto`; called on every rank
+    before the mesh exists (`torchtitan.config.resolve.search_mesh`).  None: the spec
+    cannot choose (`auto` is an error)."""
 
 
 class UnknownTrainSpecError(UserInputError):
