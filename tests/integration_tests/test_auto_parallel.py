@@ -154,9 +154,10 @@ def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
 
 
 def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train_on_ranks):
-    """tp auto on 4 ranks: every split of the world is planned (tp 4, dp 2 x tp 2, dp 4), the
-    global batch stays the 1-rank reference's 4, the losses match it, and the chosen
-    mesh's plan is the one the search cached (applied without solving again)."""
+    """tp auto on 4 ranks: every split of the world is planned (tp 4, dp 2 x tp 2, dp 4) and
+    cached, the global batch stays the 1-rank reference's 4, the losses match it, and the
+    chosen mesh's plan is the search's own, applied without solving again (not even a
+    lookup in the plan cache); the resolved config is logged next to the typed one."""
     run = train_on_ranks(
         4,
         [*AUTO, "--parallelism.tensor_parallel_degree", "auto", "--training.local_batch_size", "1"],
@@ -170,5 +171,12 @@ def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train
     dp = degrees["data_parallel_replicate_degree"] * degrees["data_parallel_shard_degree"]
     assert dp * degrees["tensor_parallel_degree"] == 4 and int(chosen.group(2)) == 4 // dp
     assert len(list((run.dump_folder / "plans").glob("*.json"))) == 3
-    assert "reusing cached plan" in run.output
+    assert "auto-parallel: applied the plan the mesh search made for this mesh" in run.output
+    assert "reusing cached plan" not in run.output and "planning took" not in run.output
+    assert re.search(
+        r"resolved config: replicate 1 x shard \d x tp \d \(mesh search\), local batch \d, "
+        r"global batch 4, grad accumulation 1 \(as typed: replicate 1 x shard -1 x tp auto, "
+        r"local batch 1, global batch -1\)",
+        run.output,
+    )
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="auto mesh vs 1 rank")

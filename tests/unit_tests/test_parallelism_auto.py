@@ -1,5 +1,6 @@
 """`--parallelism.<degree> auto`: parsing, the degree helpers, who may ask for it (the
-planner specs), preflight, and how the chosen mesh is resolved (the user's job untouched)."""
+planner specs), preflight, how the chosen mesh is resolved (the user's job untouched), and
+that a searched job traces its model once and solves each candidate mesh once."""
 
 from __future__ import annotations
 
@@ -330,3 +331,71 @@ def test_hf_config_states_its_tensor_parallel_sizes():
             "tp 32 does not divide num_attention_heads 16, num_key_value_heads 16, vocab_size 2000",
         )
     ]
+
+
+# ------------------------------------------------------------------ one trace, no second solve
+def _count_calls(monkeypatch, counts: dict[str, int], key: str, owners, name: str) -> None:
+    """Count calls of the function `name` of each module or class in `owners` (the same
+    function object where several modules imported it)."""
+    original = getattr(owners[0], name)
+
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return original(*args, **kwargs)
+
+    for owner in owners:
+        if getattr(owner, name, None) is original:
+            monkeypatch.setattr(owner, name, counted)
+
+
+def test_a_searched_job_traces_once_and_solves_each_candidate_once(
+    fake_world, monkeypatch, tmp_path
+):
+    """The trainer's start for tp auto on 4 ranks with the plan cache off: the search plans
+    the 3 candidate meshes from one trace, and the chosen mesh's plan is applied from that
+    trace (2 traces: the planning one, of the first, second and last block, and the whole
+    model's graph the plan runs on; 3 solves), nothing written into the user's config.
+    Before, the chosen mesh was traced and solved again (3 traces, 4 solves)."""
+    import sys
+
+    import torchtitan.autoparallel.trace.joint as joint
+    from torchtitan.autoparallel import AutoParallel
+    from torchtitan.train import Trainer
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    counts = {"trace": 0, "solve": 0}
+    planner_modules = [joint] + [
+        module
+        for module_name, module in sorted(sys.modules.items())
+        if module_name.startswith("torchtitan.autoparallel") and module is not joint
+    ]
+    _count_calls(monkeypatch, counts, "trace", planner_modules, "trace_joint")
+    # the plan cache is off, so each optimize_placement is one solve
+    _count_calls(monkeypatch, counts, "solve", [AutoParallel], "optimize_placement")
+    job_config = _config(
+        "--model.name",
+        "llama3_auto_parallel",
+        "--parallelism.tensor_parallel_degree",
+        "auto",
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--job.custom_config_module",
+        "torchtitan.experiments.auto_parallel.job_config",
+        "--autoparallel.no_plan_cache",
+        "--job.dump_folder",
+        str(tmp_path),
+    )
+    typed = job_config.to_dict()
+    with fake_world(4):
+        trainer = Trainer(job_config)
+    assert counts == {"trace": 2, "solve": 3}
+    assert job_config.to_dict() == typed and trainer.user_config is job_config
+    resolved = trainer.resolved
+    assert resolved.mesh_searched and resolved.global_batch_size == 4
+    assert resolved.dp_degree * resolved.tp == 4
+    assert resolved.local_batch_size == 4 // resolved.dp_degree
+    assert not (tmp_path / "plans").exists()

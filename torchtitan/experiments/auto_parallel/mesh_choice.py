@@ -2,19 +2,18 @@
 
 The candidates are the factorisations of the world into the degrees left open (`auto`, and
 the shard degree's -1 next to an `auto`), as `ParallelDims` would lay them out, minus those
-the model or machine rules out: a tp degree must divide the model's head and hidden sizes
-(`BaseModelArgs.tensor_parallel_sizes`; the vocabulary only with loss parallelism) and the
-sequence (sequence parallelism), and stay within one node (`CostModel.gpus_per_node`, when
-the profile says `tp_within_node`); the data-parallel degree must divide the global batch,
-which is the same for every candidate.  Rank 0 plans each with the job's own constraints
-(`autoparallel.mesh_search`) and every rank receives the choice.  With the plan cache on,
-every candidate's plan is cached, so a restart makes the same choice without solving and
-the chosen mesh's plan is a cache hit when the job applies it.
+the model or machine rules out: a tp degree must pass `tensor_parallel_misfits` (the rule
+the hand-written spec's check applies too: heads, hidden sizes, the vocabulary with loss
+parallelism, the sequence) and stay within one node (`CostModel.gpus_per_node`, when the
+profile says `tp_within_node`); the data-parallel degree must divide the global batch,
+which is the same for every candidate.  Every rank traces the model once; rank 0 plans
+each candidate from that trace with the job's own constraints (`autoparallel.mesh_search`)
+and every rank receives the choice and its plan, which `parallelize_auto` applies from
+the same trace without solving again (`SearchedPlan`).  With the plan cache on, every
+candidate's plan is cached, so a restart makes the same choice without solving.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from torch import nn
 
@@ -27,6 +26,7 @@ from torchtitan.autoparallel.mesh_search import (
     factorisations,
     search_meshes,
 )
+from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import (
     mesh_dims,
     open_degrees,
@@ -35,22 +35,37 @@ from torchtitan.distributed.parallel_dims import (
 from torchtitan.distributed.utils import device_type
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
+    SearchedPlan,
     add_job_constraints,
     cost_model_name,
     plan_cache_folder,
     planner_for_job,
     planner_settings,
 )
+from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
+from torchtitan.torch_private import planning_mesh
 
 
-def choose_mesh_llama_auto(model, model_args, job_config, world_size, global_batch):
-    return choose_mesh(
-        model, model_args, job_config, world_size, global_batch, model.tok_embeddings.num_embeddings
-    )
+def choose_mesh_llama_auto(
+    model,  # the meta model: its input embedding gives the vocabulary
+    model_args: BaseModelArgs,
+    job_config: JobConfig,
+    world_size: int,
+    global_batch: int,
+) -> MeshChoice:
+    vocab = model.tok_embeddings.num_embeddings
+    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab)
 
 
-def choose_mesh_hf_auto(model, model_args, job_config, world_size, global_batch):
+def choose_mesh_hf_auto(
+    model,  # the meta model: its input embedding gives the vocabulary
+    model_args: BaseModelArgs,
+    job_config: JobConfig,
+    world_size: int,
+    global_batch: int,
+) -> MeshChoice:
     vocab = model.get_input_embeddings().num_embeddings
     return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab)
 
@@ -87,14 +102,16 @@ def _label(degrees: dict[str, int]) -> str:
 
 def choose_mesh(
     model: nn.Module,
-    model_args: Any,
-    job_config: Any,
+    model_args: BaseModelArgs,
+    job_config: JobConfig,
     world_size: int,
     global_batch: int,
     vocab_size: int,
-) -> dict[str, int]:
-    """The degrees (`dp_replicate`, `dp_shard`, `tp`) of the cheapest candidate mesh; call
-    on every rank (rank 0 searches, the others receive its answer)."""
+) -> MeshChoice:
+    """The degrees (`dp_replicate`, `dp_shard`, `tp`) of the cheapest candidate mesh, and
+    its plan with the planner that traced the model (`SearchedPlan`, for
+    `parallelize_auto`); call on every rank (each traces, rank 0 searches, the others
+    receive its answer)."""
     parallelism = job_config.parallelism
     cost_model = resolve_cost_model(cost_model_name(planner_settings(job_config).cost_model))
     keep, skipped = candidate_degrees(
@@ -113,32 +130,35 @@ def choose_mesh(
             f"mesh search: no mesh of world {world_size} suits this model ({why})"
         )
     by_mesh = {MeshCandidate(*zip(*mesh_dims(**d))): d for d in keep}
+    first = next(iter(by_mesh))
 
     def search() -> str:
-        first = next(iter(by_mesh))
-        from torchtitan.torch_private import planning_mesh
-
-        mesh = planning_mesh(device_type(), first.shape, first.names)
-        with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
-            result = search_meshes(
-                autop,
-                list(by_mesh),
-                lambda sub, cand: add_job_constraints(
-                    sub,
-                    cand.names,
-                    cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
-                    job_config,
-                ),
-                tie_break=lambda cand: cand.size("tp"),
-                cache_dir=plan_cache_folder(job_config),
-                device_type=device_type(),
-                skipped=[(_label(d), why) for d, why in skipped],
-            )
-        return result.to_json()
+        result = search_meshes(
+            planner,
+            list(by_mesh),
+            lambda sub, cand: add_job_constraints(
+                sub,
+                cand.names,
+                cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
+                job_config,
+            ),
+            tie_break=lambda cand: cand.size("tp"),
+            cache_dir=plan_cache_folder(job_config),
+            device_type=device_type(),
+            skipped=[(_label(d), why) for d, why in skipped],
+        )
+        return result.to_json()  # with the chosen plan, for every rank
 
     try:
-        result = MeshSearch.from_json(on_rank0(search))
+        mesh = planning_mesh(device_type(), first.shape, first.names)
+        planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
+        # the job's one trace: rank 0 plans every candidate from it, and every rank
+        # applies the chosen plan from it (`parallelize_auto`)
+        with planner:
+            result = MeshSearch.from_json(on_rank0(search))
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise UserInputError(f"auto-parallel planner: {e}") from None
     logger.info(f"{result.verdict()}\n{result.table()}")
-    return by_mesh[result.best.mesh]
+    if result.plan is None:  # search_meshes keeps the chosen candidate's plan
+        raise RuntimeError("mesh search: the chosen mesh came without its plan")
+    return MeshChoice(by_mesh[result.best.mesh], SearchedPlan(planner, result.plan))

@@ -12,28 +12,42 @@ Planning happens once, on rank 0, and the plan is broadcast (a time-limited solv
 differ between ranks).  It is cached as JSON under `{dump_folder}/plans/` (the library's
 plan_cache.py: keyed by the traced graph, mesh, constraints, precision and cost model) and
 reused on restart, unless `--autoparallel.no_plan_cache`; `[autoparallel]`
-(job_config.py) holds the planner's other settings.
+(job_config.py) holds the planner's other settings.  When the mesh search chose the mesh
+(mesh_choice.py), its plan for that mesh comes with it (`SearchedPlan`) and is applied
+from the search's own trace: the chosen mesh is neither traced nor solved again.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchtitan.autoparallel import AutoParallel, PlannerError
+from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
 from torchtitan.autoparallel.cost.model import DEVICES
 from torchtitan.autoparallel.plan.display import plan_summary
+from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
+from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
+
+
+@dataclass(frozen=True)
+class SearchedPlan:
+    """The mesh search's plan for the mesh it chose (`MeshChoice.plan` of this spec): the
+    planner that traced the model (entered, on a planning mesh of that shape) and the plan
+    it solved there, applied on the job's mesh as is."""
+
+    planner: AutoParallel
+    plan: Plan
 
 
 def _batch_placements(mesh_dim_names: tuple[str, ...], tp_placement) -> list:
@@ -51,31 +65,43 @@ def cost_model_name(setting: str) -> str:
 
 
 def parallelize_llama_auto(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    mesh_choice: MeshChoice | None = None,
 ) -> nn.Module:
-    return parallelize_auto(model, parallel_dims, job_config, model.tok_embeddings.num_embeddings)
+    vocab_size = model.tok_embeddings.num_embeddings
+    return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice)
 
 
 def parallelize_hf_auto(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    mesh_choice: MeshChoice | None = None,
 ) -> nn.Module:
-    return parallelize_auto(
-        model, parallel_dims, job_config, model.get_input_embeddings().num_embeddings
-    )
+    vocab_size = model.get_input_embeddings().num_embeddings
+    return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice)
 
 
 def parallelize_auto(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    vocab_size: int,
+    mesh_choice: MeshChoice | None = None,
 ) -> nn.Module:
-    """Plan and apply `model` (token ids of `vocab_size` in, logits out) on the job's mesh."""
+    """Plan and apply `model` (token ids of `vocab_size` in, logits out) on the job's mesh;
+    with the mesh search's `mesh_choice`, apply the plan it made for this mesh."""
+    searched = mesh_choice.plan if mesh_choice is not None else None
     try:
-        return _parallelize(model, parallel_dims, job_config, vocab_size)
+        return _parallelize(model, parallel_dims, job_config, vocab_size, searched)
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise UserInputError(f"auto-parallel planner: {e}") from None
 
 
 def planner_for_job(
-    model: nn.Module, mesh, job_config: Any, vocab_size: int, global_batch: int
+    model: nn.Module, mesh, job_config: JobConfig, vocab_size: int, global_batch: int
 ) -> AutoParallel:
     """The planner for this job's model and precision on `mesh` (not yet entered)."""
     training = job_config.training
@@ -100,12 +126,12 @@ def planner_for_job(
     )
 
 
-def planner_settings(job_config: Any) -> AutoParallelConfig:
+def planner_settings(job_config: JobConfig) -> AutoParallelConfig:
     return getattr(job_config, "autoparallel", None) or AutoParallelConfig()
 
 
 def add_job_constraints(
-    autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config
+    autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config: JobConfig
 ) -> None:
     """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
     batch split over every data-parallel dim, logits split over tp with loss parallelism."""
@@ -120,7 +146,7 @@ def add_job_constraints(
     )
 
 
-def job_recompute(job_config: Any, autop: AutoParallel) -> str | dict[str, str]:
+def job_recompute(job_config: JobConfig, autop: AutoParallel) -> str | dict[str, str]:
     """`[activation_checkpoint]` as the planner's recompute setting: none, full, auto;
     selective with "op" keeps matmul and attention outputs and recomputes the rest of every
     block, with an integer N it recomputes every Nth block of each repeated stack fully (as
@@ -150,7 +176,7 @@ def job_recompute(job_config: Any, autop: AutoParallel) -> str | dict[str, str]:
 GPU_MEMORY_MARGIN = 0.1
 
 
-def memory_budget_bytes(job_config: Any) -> float | None:
+def memory_budget_bytes(job_config: JobConfig) -> float | None:
     """`--autoparallel.memory_budget_gib`; unset: with `--activation_checkpoint.mode auto` or
     `--parallelism.fsdp_reshard_after_forward auto` on a GPU its memory less
     `GPU_MEMORY_MARGIN`, else no budget."""
@@ -167,7 +193,7 @@ def memory_budget_bytes(job_config: Any) -> float | None:
     return None
 
 
-def plan_cache_folder(job_config: Any) -> Path | None:
+def plan_cache_folder(job_config: JobConfig) -> Path | None:
     """{dump_folder}/plans, or None with `--autoparallel.no_plan_cache`."""
     if not planner_settings(job_config).plan_cache:
         return None
@@ -175,20 +201,37 @@ def plan_cache_folder(job_config: Any) -> Path | None:
 
 
 def _parallelize(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: Any, vocab_size: int
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    vocab_size: int,
+    searched: SearchedPlan | None,
 ) -> nn.Module:
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names)
     loss_parallel = parallel_dims.loss_parallel_enabled
     global_batch = job_config.training.local_batch_size * parallel_dims.dp_degree
     start = time.perf_counter()
-    with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
+    if searched is not None:
+        if searched.planner.model is not model:
+            raise RuntimeError("the mesh search planned another model than the one to apply")
+        # the search's trace and settings on the real mesh; the constraints as when solved
+        autop = searched.planner.on_mesh(mesh)
         add_job_constraints(autop, names, loss_parallel, job_config)
-        plan = autop.optimize_placement(broadcast=True, cache_dir=plan_cache_folder(job_config))
+        plan = searched.plan
         parallel_model = autop.apply_placement(plan)
-    logger.info(
-        f"auto-parallel planning took {time.perf_counter() - start:.1f}s\n{plan_summary(plan)}"
-    )
+        logger.info(
+            "auto-parallel: applied the plan the mesh search made for this mesh, from its trace "
+            f"(no solve) in {time.perf_counter() - start:.1f}s\n{plan_summary(plan)}"
+        )
+    else:
+        with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
+            add_job_constraints(autop, names, loss_parallel, job_config)
+            cache_dir = plan_cache_folder(job_config)
+            plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir)
+            parallel_model = autop.apply_placement(plan)
+        elapsed = time.perf_counter() - start
+        logger.info(f"auto-parallel planning took {elapsed:.1f}s\n{plan_summary(plan)}")
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms
