@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
 
 
@@ -47,7 +48,7 @@ def _number_in(
     raise ConfigError(f"{name}: must be a finite number in {left}{low}, {high}{right}, got {value}")
 
 
-def _check_training(cfg: Any) -> None:
+def _check_training(cfg: JobConfig) -> None:
     t = cfg.training
     for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
         _at_least(t, "training", key, 1)
@@ -57,7 +58,7 @@ def _check_training(cfg: Any) -> None:
         raise ConfigError(f"--training.max_norm: must be a finite number, got {t.max_norm}")
 
 
-def _check_optimizer(cfg: Any) -> None:
+def _check_optimizer(cfg: JobConfig) -> None:
     o = cfg.optimizer
     _number_in(o, "optimizer", "lr", 0.0, math.inf, high_open=True)
     _number_in(o, "optimizer", "beta1", 0.0, 1.0, high_open=True)
@@ -66,7 +67,7 @@ def _check_optimizer(cfg: Any) -> None:
     _number_in(o, "optimizer", "weight_decay", 0.0, math.inf, high_open=True)
 
 
-def _check_schedule(cfg: Any) -> None:
+def _check_schedule(cfg: JobConfig) -> None:
     s, steps = cfg.lr_scheduler, cfg.training.steps
     _at_least(s, "lr_scheduler", "warmup_steps", 0)
     if s.warmup_steps > steps:
@@ -80,7 +81,7 @@ def _check_schedule(cfg: Any) -> None:
         _number_in(s, "lr_scheduler", "decay_ratio", 0.0, 1.0)
 
 
-def _check_outputs(cfg: Any) -> None:
+def _check_outputs(cfg: JobConfig) -> None:
     _at_least(cfg.checkpoint, "checkpoint", "interval", 1)
     _at_least(cfg.checkpoint, "checkpoint", "keep_latest_k", 0)
     _at_least(cfg.checkpoint, "checkpoint", "load_step", 0, or_value=-1)
@@ -96,7 +97,7 @@ def _check_outputs(cfg: Any) -> None:
         raise ConfigError(f"--compile.reorder_prefetch_limit: must be none or >= 0, got {limit}")
 
 
-def validate_job_config(cfg: Any) -> None:
+def validate_job_config(cfg: JobConfig) -> None:
     """Raise `ConfigError` for the first option whose value no run could use."""
     _check_training(cfg)
     _check_optimizer(cfg)

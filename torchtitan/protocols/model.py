@@ -8,6 +8,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from torchtitan.config.job_config import JobConfig
+
 
 @dataclass
 class BaseModelArgs:
@@ -18,7 +20,7 @@ class BaseModelArgs:
     from them, and asks them for parameter and FLOP counts for the MFU figure.
     """
 
-    def update_from_config(self, job_config: Any, tokenizer: Any) -> None:
+    def update_from_config(self, job_config: JobConfig, tokenizer: Any) -> None:
         raise NotImplementedError
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
