@@ -1,7 +1,7 @@
 """The planner's attention op (attention.py) and shared redistributions ("hubs", solver.py).
 
 One process; planning on a fake process group.  Execution of both on real ranks is covered by
-the 4-rank numerics tests (tests/integration_tests/autoparallel_numerics_test.py).
+the 4-rank numerics tests (tests/integration_tests/test_autoparallel_numerics.py).
 """
 
 from __future__ import annotations

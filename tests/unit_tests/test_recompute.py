@@ -8,7 +8,7 @@ residual `x + block(x)`, a head; input 8x16x32 fp32 on one rank): without recomp
 block keeps its first Linear's and its GELU's outputs (32 KiB each); every residual sum feeding
 the next block or the head (16 KiB) and the output (16 KiB) are kept too.  Full recomputation
 keeps only those; selective also keeps each first Linear's output (a matmul).
-The numerics of recomputing plans on 4 ranks: integration_tests/autoparallel_numerics_test.py.
+The numerics of recomputing plans on 4 ranks: integration_tests/test_autoparallel_numerics.py.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class CandidateResult:
     def lower_bound(self) -> float:
         """No plan on this mesh has a smaller objective (the solver's proof); inf when the
         mesh has no plan at all."""
-        if not self.fits:
+        if not self.fits or self.objective is None:
             return math.inf
         return self.objective * (1.0 - (self.gap if self.gap is not None else 1.0))
 
@@ -101,9 +101,10 @@ class MeshSearch:
             for i, r in enumerate(self.results)
             if i != self.chosen and i not in self.tied
         ]
-        if not others:
+        best = self.best.objective
+        if not others or best is None:
             return None
-        return min(others) / self.best.objective - 1.0
+        return min(others) / best - 1.0
 
     @property
     def tied(self) -> list[int]:
@@ -176,7 +177,7 @@ class MeshSearch:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "MeshSearch":
+    def from_json(cls, text: str) -> MeshSearch:
         data = json.loads(text)
         results = [
             CandidateResult(

@@ -23,11 +23,12 @@ import sys
 import textwrap
 import types
 import typing
+from collections.abc import Hashable
 from typing import Any, Literal
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:  # Python 3.10
     import tomli as tomllib
 
 from torchtitan.config.job_config import JobConfig
@@ -69,8 +70,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    return _cached_hints(cls)
+
+
+@functools.cache
+def _cached_hints(cls: Hashable) -> dict[str, Any]:
+    # a plain wrapper: mypy takes `type[Any]` for unhashable (python/mypy#11470)
     return typing.get_type_hints(cls)
 
 
@@ -87,7 +93,7 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) < len(typing.get_args(tp)):
-            return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), True
+            return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), True  # noqa: UP007
     return tp, False
 
 
@@ -245,7 +251,8 @@ class ConfigManager:
         argv = list(sys.argv[1:] if argv is None else argv)
         path = _scan_option(argv, CONFIG_FILE_KEY, "path to a TOML file")
         table = _read_toml(path) if path is not None else {}
-        job_table = table.get("job") if isinstance(table.get("job"), dict) else {}
+        job = table.get("job")
+        job_table: dict = job if isinstance(job, dict) else {}
         module = _scan_option(argv, CUSTOM_CONFIG_KEY, "module name") or job_table.get(
             CUSTOM_CONFIG_KEY[1]
         )
@@ -298,7 +305,8 @@ class ConfigManager:
                 )
             opt, eq, value = tok.partition("=")
             parts = opt[2:].replace("-", "_").split(".")
-            obj, parents = config, []
+            obj: Any = config
+            parents: list[str] = []
             for part in parts[:-1]:  # walk down to the section holding the key
                 cls = type(obj)
                 if part not in _fields(cls):
@@ -360,7 +368,8 @@ class ConfigManager:
         return "\n".join(lines)
 
     def _help_section(self, obj: Any, parents: list[str], lines: list[str]) -> None:
-        cls, docs = type(obj), field_docs(type(obj))
+        cls: type = type(obj)
+        docs = field_docs(cls)
         scalars = [f for f in dataclasses.fields(cls) if not _is_section(_hints(cls)[f.name])]
         if parents and scalars:
             lines.append(f"\n[{'.'.join(parents)}]")

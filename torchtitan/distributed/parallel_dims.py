@@ -135,7 +135,7 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism, world_size: int) -> ParallelDims:
         return cls(
             dp_replicate=parallelism.data_parallel_replicate_degree,
             dp_shard=parallelism.data_parallel_shard_degree,

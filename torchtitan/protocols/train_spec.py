@@ -22,7 +22,7 @@ _BUILTIN_SPECS: dict[str, str] = {
     "llama3_auto_parallel": "torchtitan.experiments.auto_parallel",
     "hf_auto_parallel": "torchtitan.experiments.auto_parallel.hf",
 }
-_REGISTERED: dict[str, "TrainSpec"] = {}
+_REGISTERED: dict[str, TrainSpec] = {}
 
 
 @dataclass(frozen=True)

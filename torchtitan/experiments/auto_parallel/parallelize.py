@@ -20,8 +20,10 @@ from the search's own trace: the chosen mesh is neither traced nor solved again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,7 +72,7 @@ def parallelize_llama_auto(
     job_config: JobConfig,
     mesh_choice: MeshChoice | None = None,
 ) -> nn.Module:
-    vocab_size = model.tok_embeddings.num_embeddings
+    vocab_size = cast(nn.Embedding, model.tok_embeddings).num_embeddings
     return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice)
 
 
@@ -80,7 +82,8 @@ def parallelize_hf_auto(
     job_config: JobConfig,
     mesh_choice: MeshChoice | None = None,
 ) -> nn.Module:
-    vocab_size = model.get_input_embeddings().num_embeddings
+    embeddings = cast(Callable[[], nn.Embedding], model.get_input_embeddings)
+    vocab_size = embeddings().num_embeddings
     return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice)
 
 
@@ -208,7 +211,7 @@ def _parallelize(
     searched: SearchedPlan | None,
 ) -> nn.Module:
     mesh = parallel_dims.world_mesh
-    names = tuple(mesh.mesh_dim_names)
+    names = tuple(mesh.mesh_dim_names or ())
     loss_parallel = parallel_dims.loss_parallel_enabled
     global_batch = job_config.training.local_batch_size * parallel_dims.dp_degree
     start = time.perf_counter()
