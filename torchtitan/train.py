@@ -14,10 +14,11 @@ import contextlib
 import gc
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -33,7 +34,8 @@ from torchtitan.distributed.init_check import every_value_initialised
 from torchtitan.distributed.parallel_dims import mesh_search_requested
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
-from torchtitan.protocols.train_spec import get_train_spec, import_custom_module
+from torchtitan.protocols.model import ModelProtocol
+from torchtitan.protocols.train_spec import MeshChoice, get_train_spec, import_custom_module
 from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives
 from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
@@ -109,19 +111,8 @@ class Trainer:
         )
 
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
-        if mesh_choice is not None and mesh_choice.plan is not None:
-            # the spec applies the plan its search made for this mesh
-            model = spec.parallelize_fn(
-                model, self.parallel_dims, job_config, mesh_choice=mesh_choice
-            )
-        else:
-            model = spec.parallelize_fn(model, self.parallel_dims, job_config)
+        self.model = model = self._parallel_model(model, mesh_choice)
         del mesh_choice  # the search's planner and trace are not needed past this point
-        model.to_empty(device=self.device)
-        with torch.no_grad(), exact_sharded_init(model), every_value_initialised(model):
-            model.init_weights()
-        model.train()
-        self.model = model
 
         self.optimizers = spec.build_optimizers_fn([model], job_config)
         self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
@@ -149,6 +140,23 @@ class Trainer:
             f"grad accumulation {self.grad_accumulation_steps}, "
             f"seq_len {training.seq_len}"
         )
+
+    def _parallel_model(self, model: nn.Module, mesh_choice: MeshChoice | None) -> nn.Module:
+        """The spec's parallel module of the meta `model`, materialised and initialised with
+        single-process values on any mesh."""
+        spec, job_config = self.train_spec, self.job_config
+        if mesh_choice is not None and mesh_choice.plan is not None:
+            # the spec applies the plan its search made for this mesh
+            model = spec.parallelize_fn(
+                model, self.parallel_dims, job_config, mesh_choice=mesh_choice
+            )
+        else:
+            model = spec.parallelize_fn(model, self.parallel_dims, job_config)
+        model.to_empty(device=self.device)
+        with torch.no_grad(), exact_sharded_init(model), every_value_initialised(model):
+            cast(ModelProtocol, model).init_weights()  # what every spec's model class has
+        model.train()
+        return model
 
     def state_dict(self) -> dict[str, Any]:
         """The loop's own checkpointed state (plain values only)."""
