@@ -113,6 +113,9 @@ TorchDispatchMode, get_current_dispatch_mode_stack = _require(
 )
 (set_element,) = _require("torch.distributed.checkpoint._nested_dict", "set_element")
 
+# expert parallelism: a process group named by a graph's string argument
+(resolve_process_group,) = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
+
 
 def planning_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     """A `DeviceMesh` over ranks 0..prod(shape)-1 with no process groups behind it
