@@ -84,6 +84,22 @@ def tiny_llama(n_layers: int = 2, vocab: int = 256, seq: int = 16):
     return Transformer(args)
 
 
+def tiny_moe(n_layers: int = 3, vocab: int = 256, seq: int = 16, **overrides):
+    """The MoE decoder (1 dense layer, then MoE layers of 8 experts, top 2, one shared), small."""
+    from torchtitan.models.deepseek_v3.args import moe_configs
+    from torchtitan.models.deepseek_v3.model import MoETransformer
+
+    small = dict(dim=64, n_heads=4, n_kv_heads=2, moe_hidden_dim=128)
+    args = dataclasses.replace(
+        moe_configs["debugmodel"],
+        vocab_size=vocab,
+        max_seq_len=seq,
+        n_layers=n_layers,
+        **{**small, **overrides},
+    )
+    return MoETransformer(args)
+
+
 class TiedLM(nn.Module):
     """GPT-style LM with learned positions, LayerNorm blocks and an LM head tied to the token
     embedding (one parameter under two FQNs); `dropout` > 0 adds train-mode dropout."""

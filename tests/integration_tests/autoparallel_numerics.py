@@ -44,6 +44,7 @@ from autoparallel_models import (
     MLPStack,
     TiedLM,
     tiny_llama,
+    tiny_moe,
 )
 from dtensor_reference import use_reference_executor
 from rank_checks import check, run_checks
@@ -72,6 +73,12 @@ def models():
             lambda: tiny_llama(
                 n_layers=int(os.environ.get("AP_LLAMA_LAYERS", "2")), vocab=256, seq=s
             ),
+            lambda g: (torch.randint(0, 256, (b, s), generator=g),),
+            lambda g: torch.randint(0, 256, (b, s), generator=g),
+            "ce",
+        ),
+        "moe": (
+            lambda: tiny_moe(),
             lambda g: (torch.randint(0, 256, (b, s), generator=g),),
             lambda g: torch.randint(0, 256, (b, s), generator=g),
             "ce",
@@ -182,7 +189,9 @@ def run_one(model_name, mesh_name, world, bf16=False):
     # "<model>+recompute": the model's repeated blocks recompute in the backward (full,
     # selective, none in turn); llama then has 4 layers (a stack needs 4 to be repeated)
     recompute = model_name.endswith("+recompute")
-    base = model_name.removesuffix("+recompute")
+    # "<model>+ep": the routed experts split over the first mesh dim (expert parallelism)
+    expert_parallel = model_name.endswith("+ep")
+    base = model_name.removesuffix("+recompute").removesuffix("+ep")
     if recompute and base == "llama":
         os.environ.setdefault("AP_LLAMA_LAYERS", "4")
     make_model, make_inputs, make_labels, kind = models()[base]
@@ -222,6 +231,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
         if recompute:
             autop.set_recompute(mixed_recompute(autop.blocks))
         autop.add_parameter_memory_constraint()
+        if expert_parallel:
+            autop.add_expert_parallel_constraint(0)
         autop.add_input_constraints([batch_pin])
         autop.add_output_constraints([batch_pin])
         plan = autop.optimize_placement(broadcast=True)  # rank 0 solves, the others receive it

@@ -43,10 +43,12 @@ from .policies.regather import check_reshard_policy
 from .policies.units import fsdp_units
 from .solve.candidates import Candidates
 from .solve.constraints import (
+    CollectiveDim,
     MemoryBudget,
     ParameterBudget,
     Pin,
     UserConstraint,
+    expert_parallel,
     input_pins,
     memory_budget,
     output_pins,
@@ -288,6 +290,13 @@ class AutoParallel:
         element) + saved activations (forward tensors the backward reads), see cost/memory.py."""
         self._require_entered()
         self._replace(MemoryBudget, memory_budget(bytes_per_rank))
+
+    def add_expert_parallel_constraint(self, mesh_dim: int | str) -> None:
+        """Split the routed experts (`titan.routed_experts`) over `mesh_dim` (an index or a
+        name), tokens dispatched to them by all-to-all; without it the solver chooses
+        between that and replicated or hidden-split experts on every mesh dim."""
+        self._require_entered()
+        self._replace(CollectiveDim, expert_parallel(self.mesh, mesh_dim))
 
     def _replace(self, kind: type, constraint: UserConstraint) -> None:
         self._constraints = [c for c in self._constraints if not isinstance(c, kind)]

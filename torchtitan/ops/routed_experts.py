@@ -202,5 +202,7 @@ def _forward_flops(x_shape, weights_shape, indices_shape, w1_shape, *args, out_s
 
 
 @register_flop_formula(torch.ops.titan.routed_experts_backward)
-def _backward_flops(g_shape, x_shape, w_shape, indices_shape, w1_shape, *args, out_shape=None, **kw):
+def _backward_flops(
+    g_shape, x_shape, w_shape, indices_shape, w1_shape, *args, out_shape=None, **kw
+):
     return 3 * experts_flops(x_shape, indices_shape, w1_shape)

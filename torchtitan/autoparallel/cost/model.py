@@ -24,6 +24,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils.flop_counter import flop_registry
 
 from ..graph import placements as P
+from ..ops.collective_ops import COLLECTIVE_OPS
 
 INF = math.inf
 
@@ -159,7 +160,25 @@ class Estimator:
         dtype = next((v.dtype for v in in_vals if isinstance(v, torch.Tensor)), torch.float32)
         t_flop = flops / (dev.peak_flops(dtype) * dev.efficiency) * 1e6
         t_mem = nbytes / (dev.mem_bw_gbps * 1e9 * dev.efficiency) * 1e6
-        return max(t_flop, t_mem) + dev.launch_us
+        return max(t_flop, t_mem) + dev.launch_us + self._in_op_comm_us(op, in_vals, in_pls)
+
+    def _in_op_comm_us(self, op, in_vals, in_pls) -> float:
+        """All-to-alls inside an op with a collective strategy (ops/collective_ops.py)."""
+        rule = COLLECTIVE_OPS.get(op)
+        dim = rule.collective_dim(in_pls) if rule is not None else None
+        if rule is None or dim is None:
+            return 0.0
+        calls, nbytes = rule.comm(in_vals, in_pls, self.mesh_shape)
+        return self.alltoall_us(dim, calls, nbytes)
+
+    def alltoall_us(self, dim: int, calls: int, nbytes: float) -> float:
+        """`calls` all-to-alls over mesh dim `dim` in which each rank sends (and receives)
+        `nbytes` in all."""
+        n = self.mesh_shape[dim]
+        if n == 1:
+            return 0.0
+        link = self.links[dim]
+        return calls * link.latency_us + (n - 1) / n * nbytes / (link.bw_gbps * 1e3)
 
     # ---------------- communication ----------------
     def comm_us(self, src: P.Placements, tgt: P.Placements, shape, itemsize: int) -> float:

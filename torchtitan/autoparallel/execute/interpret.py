@@ -25,6 +25,7 @@ from torchtitan.torch_private import compute_local_shape_and_global_offset
 from ..errors import PlannerError
 from ..graph import placements as P
 from ..graph.nodes import is_getitem
+from ..ops.collective_ops import COLLECTIVE_OPS
 from ..plan.plan import Plan, graph_fingerprint
 from ..trace.joint import TracedGraph
 
@@ -46,6 +47,10 @@ class PlanInterpreter:
         self.tg, self.plan, self.mesh, self.reduce_dtype = tg, plan, mesh, reduce_dtype
         self.ins = {
             name: [P.parse(s) if s != "-" else None for s in d["ins"]]
+            for name, d in plan.nodes.items()
+        }
+        self.outs = {
+            name: [P.parse(s) if s != "-" else None for s in d.get("out", [])]
             for name, d in plan.nodes.items()
         }
         self.hubs = _hubs(tg, plan)
@@ -188,8 +193,20 @@ class PlanInterpreter:
                 rep = tuple(Replicate() for _ in self.mesh.shape)
                 out = DTensor.from_local(out, self.mesh, rep, run_check=False)
         else:
-            out = op(*args_, **kwargs)
+            out = self._collective(node, args_) if node.target in COLLECTIVE_OPS else None
+            if out is None:
+                out = op(*args_, **kwargs)
         env[node] = out
+
+    def _collective(self, node: fx.Node, args: tuple) -> Any:
+        """An op with a collective inside (ops/collective_ops.py) in a strategy that uses
+        it: run on local tensors; None for its other strategies (DTensor runs those)."""
+        val = node.meta["val"]
+        vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        outs = COLLECTIVE_OPS[node.target].run_local(args, vals, self.outs[node.name], self.mesh)
+        if outs is None:
+            return None
+        return outs if isinstance(val, (list, tuple)) else outs[0]
 
     def _placed(self, a: fx.Node, v: DTensor, target: P.Placements, env: dict) -> DTensor:
         """Value `v` of node `a` in `target`: redistributed once per (value, placement) and

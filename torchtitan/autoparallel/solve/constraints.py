@@ -50,7 +50,16 @@ class MemoryBudget:
     bytes_per_rank: float
 
 
-UserConstraint = Pin | OutputPin | ParameterBudget | MemoryBudget
+@dataclass(frozen=True)
+class CollectiveDim:
+    """Ops with a collective layout (ops/collective_ops.py: the routed experts) use it over
+    mesh dim `dim` — expert parallelism over that dim."""
+
+    name: str
+    dim: int
+
+
+UserConstraint = Pin | OutputPin | ParameterBudget | MemoryBudget | CollectiveDim
 
 
 # ---------------------------------------------------------------------------- from user input
@@ -79,6 +88,21 @@ def parameter_budget(low: float | None, high: float | None, world: int) -> Param
     if low is not None and low > high:
         raise ConstraintError(f"parameter memory low={low} > high={high}")
     return ParameterBudget(f"parameter memory budget low={low} high={high:.4g}", low, high)
+
+
+def expert_parallel(mesh: DeviceMesh, dim: int | str) -> CollectiveDim:
+    """Experts split over mesh dim `dim` (an index or a name)."""
+    names = mesh.mesh_dim_names or ()
+    if isinstance(dim, str):
+        if dim not in names:
+            raise ConstraintError(
+                f"expert parallelism over mesh dim {dim!r}: mesh dims are {names}"
+            )
+        dim = names.index(dim)
+    if not 0 <= dim < mesh.ndim:
+        raise ConstraintError(f"expert parallelism over mesh dim {dim} of a {mesh.ndim}-D mesh")
+    label = names[dim] if names else str(dim)
+    return CollectiveDim(f"experts split over mesh dim {label} ({mesh.shape[dim]} ranks)", dim)
 
 
 def memory_budget(bytes_per_rank: int | float) -> MemoryBudget:

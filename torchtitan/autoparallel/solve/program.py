@@ -31,9 +31,10 @@ from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, term_fraction
 from ..errors import ConstraintError
 from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
+from ..ops.collective_ops import COLLECTIVE_OPS
 from ..policies.regather import Regather
 from ..strategies.table import NodeStrategies, Source, placed, resolve_source
-from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin
+from .constraints import CollectiveDim, MemoryBudget, OutputPin, ParameterBudget, Pin
 from .milp import Milp
 from .prices import GraphPrices
 from .recompute_choices import RecomputeChoices
@@ -284,6 +285,20 @@ class PlacementProgram:
         if not idx:
             raise ConstraintError(f"{c.name}: placement not valid for the tensor's shape")
         self.m.lb[self.xvars[c.node][idx[0]]] = 1.0
+
+    def add_collective_dim(self, c: CollectiveDim) -> None:
+        """Strategies of ops with a collective layout that do not use it over `c.dim` are
+        ruled out (upper bound 0)."""
+        for node, ns in self.table.nodes.items():
+            rule = COLLECTIVE_OPS.get(node.target)
+            if rule is None:
+                continue
+            keep = [rule.collective_dim(list(st.ins)) == c.dim for st in ns.strategies]
+            if not any(keep):
+                raise ConstraintError(f"{c.name}: impossible for node '{node.name}'")
+            for s, ok in enumerate(keep):
+                if not ok:
+                    self.m.ub[self.xvars[node][s]] = 0.0
 
     def add_parameter_budget(self, c: ParameterBudget) -> None:
         """low <= sum_p bytes(p)/total * sum_s shard_fraction(p, s) x[p, s] <= high, in units of

@@ -16,7 +16,14 @@ import highspy
 import torch.fx as fx
 
 from ..errors import InfeasiblePlanError, PlannerError
-from .constraints import MemoryBudget, OutputPin, ParameterBudget, Pin, UserConstraint
+from .constraints import (
+    CollectiveDim,
+    MemoryBudget,
+    OutputPin,
+    ParameterBudget,
+    Pin,
+    UserConstraint,
+)
 from .problem import PlanningProblem
 from .program import PlacementProgram, Solution
 
@@ -115,6 +122,8 @@ class PlacementSolver:
                 program.add_pin(c)
             elif isinstance(c, ParameterBudget):
                 program.add_parameter_budget(c)
+            elif isinstance(c, CollectiveDim):
+                program.add_collective_dim(c)
             else:
                 program.add_memory_budget(c)
         return program

@@ -19,6 +19,7 @@ candidate sets), so repeated layers cost nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -48,7 +49,11 @@ from torchtitan.torch_private import (
 from ..errors import UnsupportedOpError
 from ..graph import placements as P
 from ..graph.nodes import getitem_source, is_getitem, out_metas, tensor_meta
-from ..ops import elementwise_rules  # noqa: F401  (registers rules DTensor lacks)
+from ..ops import (
+    elementwise_rules,  # noqa: F401  (registers rules DTensor lacks)
+    experts,  # noqa: F401  (registers the routed experts' layouts)
+)
+from ..ops.collective_ops import COLLECTIVE_OPS, CollectiveOp
 from ..trace.joint import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -257,6 +262,9 @@ class StrategyBuilder:
     def _query(self, node, inputs, cand_lists, n_out) -> list[Strategy]:
         op = node.target
         out_meta = out_metas(node)
+        collective = COLLECTIVE_OPS.get(op)
+        if collective is not None:
+            return self._collective_op(node, collective, inputs)
         single = self.prop.op_single_dim_strategy_funcs.get(op)
         classic = self.prop.op_strategy_funcs.get(op)
         if single is not None:
@@ -271,6 +279,26 @@ class StrategyBuilder:
                 f"(DTensor has none; add a rule in torchtitan/autoparallel/strategies/table.py)"
             )
         return self._to_strategies(node, specs, inputs, n_out)
+
+    def _collective_op(self, node, rule: CollectiveOp, inputs) -> list[Strategy]:
+        """Every combination of the op's per-mesh-dim options (ops/collective_ops.py) with
+        at most one collective dim and no empty shard."""
+        in_vals = [n.meta["val"] for n in inputs]
+        val = node.meta["val"]
+        out_vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        per_dim = [rule.options(in_vals, out_vals, n) for n in self.mesh_shape]
+        out = []
+        for combo in itertools.product(*per_dim):
+            if sum(o.collective for o in combo) > 1:
+                continue
+            outs = tuple(tuple(o.out[i] for o in combo) for i in range(len(out_vals)))
+            ins = tuple(tuple(o.ins[i] for o in combo) for i in range(len(in_vals)))
+            if all(
+                P.is_valid(v.shape, pl, self.mesh_shape)
+                for v, pl in zip(out_vals + in_vals, outs + ins)
+            ):
+                out.append(Strategy(outs, ins))
+        return out
 
     def _single_dim(self, op, info, schema: OpSchema, out_meta) -> list[OpSpec]:
         func = info.func if isinstance(info, SingleDimStrategyInfo) else info
