@@ -69,12 +69,22 @@ def tensor_parallel_misfits(
     return [f"{name} {size}" for name, size in sizes.items() if size % tp]
 
 
-def mesh_dims(dp_replicate: int, dp_shard: int, tp: int) -> list[tuple[str, int]]:
+EP = "ep"  # the mesh dim of expert parallelism: the inner part of the shard ranks
+
+
+def mesh_dims(dp_replicate: int, dp_shard: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
     """(name, size) of the mesh dims a job with these degrees has: those of size > 1, or one
-    `dp_shard` dim of size 1 on a single rank (uniform code paths)."""
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
-    dims = [(name, sizes[name]) for name, _ in DEGREES if sizes[name] > 1]
+    `dp_shard` dim of size 1 on a single rank (uniform code paths).  With expert
+    parallelism the shard ranks are two dims, `dp_shard` (dp_shard / ep) and `ep`."""
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard // ep, EP: ep, "tp": tp}
+    order = ("dp_replicate", "dp_shard", EP, "tp")
+    dims = [(name, sizes[name]) for name in order if sizes[name] > 1]
     return dims or [("dp_shard", 1)]
+
+
+def is_data_dim(name: str) -> bool:
+    """Mesh dims that split the batch: the data-parallel ones and expert parallelism's."""
+    return name.startswith("dp_") or name == EP
 
 
 @dataclass
@@ -92,8 +102,10 @@ class ParallelDims:
     tp: int
     world_size: int
     enable_loss_parallel: bool = True
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat_shard_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name, degree in (
@@ -125,6 +137,12 @@ class ParallelDims:
             raise ParallelismConfigError(
                 f"--parallelism.data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}"
             )
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ParallelismConfigError(
+                f"--parallelism.expert_parallel_degree {self.ep} must divide "
+                f"data_parallel_shard_degree {self.dp_shard} (expert-parallel ranks are carved "
+                "from the shard ranks)"
+            )
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ParallelismConfigError(
@@ -142,15 +160,19 @@ class ParallelDims:
             tp=parallelism.tensor_parallel_degree,
             world_size=world_size,
             enable_loss_parallel=not parallelism.disable_loss_parallel,
+            ep=parallelism.expert_parallel_degree,
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        dims = mesh_dims(self.dp_replicate, self.dp_shard, self.tp)
+        dims = mesh_dims(self.dp_replicate, self.dp_shard, self.tp, self.ep)
         names = tuple(n for n, _ in dims)
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
-        dp_names = tuple(n for n in names if n.startswith("dp_"))
+        dp_names = tuple(n for n in names if is_data_dim(n))
         if len(dp_names) > 1:
             self._flat_dp_mesh = mesh[dp_names]._flatten("dp")
+        shard_names = tuple(n for n in names if n in ("dp_shard", EP))
+        if len(shard_names) > 1:
+            self._flat_shard_mesh = mesh[shard_names]._flatten("dp_shard_ep")
         self._mesh = mesh
         return mesh
 
@@ -163,7 +185,25 @@ class ParallelDims:
     @property
     def dp_mesh_names(self) -> tuple[str, ...]:
         names = self.world_mesh.mesh_dim_names or ()
-        return tuple(n for n in names if n.startswith("dp_"))
+        return tuple(n for n in names if is_data_dim(n))
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: the shard ranks (one dim, flattened with expert
+        parallelism's), after the replicate dim for HSDP."""
+        mesh = self.world_mesh
+        names = mesh.mesh_dim_names or ()
+        shard = (
+            "dp_shard_ep"
+            if self._flat_shard_mesh is not None
+            else (EP if EP in names else "dp_shard")
+        )
+        if "dp_replicate" in names:
+            return mesh[("dp_replicate", shard)]
+        return mesh[shard]
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     def dp_mesh(self) -> DeviceMesh | None:
         """The data-parallel ranks as one 1-D mesh (None when there is no data parallelism)."""

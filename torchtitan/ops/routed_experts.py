@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
 from torch.utils.flop_counter import register_flop_formula
 
 
@@ -206,3 +208,35 @@ def _backward_flops(
     g_shape, x_shape, w_shape, indices_shape, w1_shape, *args, out_shape=None, **kw
 ):
     return 3 * experts_flops(x_shape, indices_shape, w1_shape)
+
+
+# ---- layouts per mesh dim, as (outputs, tensor inputs in argument order); all but
+# "experts" run on local shards as they are and are the op's DTensor rules; "experts"
+# (expert parallelism) needs the all-to-alls of distributed/expert_parallel.py
+_R, _S0, _S1, _S2, _P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
+FORWARD_LAYOUTS = {  # x, weights, indices, w1, w2, w3 -> out
+    "replicated": ((_R,), (_R,) * 6),
+    "tokens": ((_S0,), (_S0, _S0, _S0, _R, _R, _R)),
+    "hidden": ((_P,), (_R, _R, _R, _S1, _S2, _S1)),
+    "experts": ((_S0,), (_S0,) * 6),
+}
+BACKWARD_LAYOUTS = {  # grad, x, weights, indices, w1, w2, w3 -> dx, d_weights, dw1, dw2, dw3
+    "replicated": ((_R,) * 5, (_R,) * 7),
+    "tokens": ((_S0, _S0, _P, _P, _P), (_S0, _S0, _S0, _S0, _R, _R, _R)),
+    "hidden": ((_P, _P, _S1, _S2, _S1), (_R, _R, _R, _R, _S1, _S2, _S1)),
+    "experts": ((_S0,) * 5, (_S0,) * 7),
+}
+
+
+def _local_rules(layouts: dict) -> list:
+    return [(list(o), list(i)) for name, (o, i) in layouts.items() if name != "experts"]
+
+
+@register_sharding(torch.ops.titan.routed_experts.default)
+def _forward_sharding(x, weights, indices, w1, w2, w3):
+    return _local_rules(FORWARD_LAYOUTS)
+
+
+@register_sharding(torch.ops.titan.routed_experts_backward.default)
+def _backward_sharding(grad, x, weights, indices, w1, w2, w3):
+    return _local_rules(BACKWARD_LAYOUTS)

@@ -21,6 +21,8 @@ _BUILTIN_SPECS: dict[str, str] = {
     "llama3": "torchtitan.models.llama3",
     "llama3_auto_parallel": "torchtitan.experiments.auto_parallel",
     "hf_auto_parallel": "torchtitan.experiments.auto_parallel.hf",
+    "deepseek_v3": "torchtitan.models.deepseek_v3",
+    "deepseek_v3_auto_parallel": "torchtitan.experiments.auto_parallel.moe",
 }
 _REGISTERED: dict[str, TrainSpec] = {}
 

@@ -13,7 +13,7 @@ Per mesh dim the experts op can take four layouts:
   experts' ranks and combines the results (`distributed/expert_parallel.py`), so the op
   runs `titan.routed_experts_ep` over that mesh dim's process group.
 
-The first three are registered with DTensor (they run on local shards as they are); the
+The first three are DTensor rules of the op (they run on local shards as they are); the
 planner adds the fourth.  Every combination over the mesh dims is a candidate, with at most
 one expert-parallel dim, whose expert count must divide evenly.
 
@@ -28,38 +28,22 @@ share; DeepSeek-V3's balancing keeps it near 1).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.distributed.expert_parallel import (
     routed_experts_ep,
     routed_experts_ep_backward,
 )
-from torchtitan.ops import routed_experts as _op  # noqa: F401  (defines titan.routed_experts)
+from torchtitan.ops.routed_experts import BACKWARD_LAYOUTS as _BACKWARD
+from torchtitan.ops.routed_experts import FORWARD_LAYOUTS as _FORWARD
 
 from ..graph import placements as P
 from .collective_ops import CollectiveOp, DimOption, register
 
 LOAD_IMBALANCE = 1.25
+_S0 = Shard(0)
 FORWARD = torch.ops.titan.routed_experts.default
 BACKWARD = torch.ops.titan.routed_experts_backward.default
-_R, _S0, _S1, _S2, _P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
-
-# (out, ins) per layout; ins in op argument order
-# forward: x, weights, indices, w1, w2, w3 -> out
-_FORWARD = {
-    "replicated": ((_R,), (_R,) * 6),
-    "tokens": ((_S0,), (_S0, _S0, _S0, _R, _R, _R)),
-    "hidden": ((_P,), (_R, _R, _R, _S1, _S2, _S1)),
-    "experts": ((_S0,), (_S0,) * 6),
-}
-# backward: grad, x, weights, indices, w1, w2, w3 -> dx, d_weights, dw1, dw2, dw3
-_BACKWARD = {
-    "replicated": ((_R,) * 5, (_R,) * 7),
-    "tokens": ((_S0, _S0, _P, _P, _P), (_S0, _S0, _S0, _S0, _R, _R, _R)),
-    "hidden": ((_P, _P, _S1, _S2, _S1), (_R, _R, _R, _R, _S1, _S2, _S1)),
-    "experts": ((_S0,) * 5, (_S0,) * 7),
-}
 _W1 = {FORWARD: 3, BACKWARD: 4}  # position of w1 among the tensor inputs
 
 
@@ -133,17 +117,3 @@ register(
         _run_local(routed_experts_ep_backward, _W1[BACKWARD]),
     ),
 )
-
-
-def _dtensor_rules(layouts: dict) -> list:
-    return [(list(outs), list(ins)) for name, (outs, ins) in layouts.items() if name != "experts"]
-
-
-@register_sharding(FORWARD)
-def _forward_sharding(x, weights, indices, w1, w2, w3):
-    return _dtensor_rules(_FORWARD)
-
-
-@register_sharding(BACKWARD)
-def _backward_sharding(grad, x, weights, indices, w1, w2, w3):
-    return _dtensor_rules(_BACKWARD)

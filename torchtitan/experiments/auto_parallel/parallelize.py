@@ -34,7 +34,7 @@ from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
 from torchtitan.autoparallel.cost.model import DEVICES
 from torchtitan.autoparallel.plan.display import plan_summary
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallel_dims import EP, ParallelDims
 from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
@@ -137,9 +137,12 @@ def add_job_constraints(
     autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config: JobConfig
 ) -> None:
     """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
-    batch split over every data-parallel dim, logits split over tp with loss parallelism."""
+    batch split over every data-parallel dim, logits split over tp with loss parallelism,
+    the routed experts split over the `ep` dim when the job has one."""
     autop.set_recompute(job_recompute(job_config, autop))
     autop.add_parameter_memory_constraint(low=None, high=None)
+    if EP in names:  # --parallelism.expert_parallel_degree: the experts split over `ep`
+        autop.add_expert_parallel_constraint(EP)
     budget = memory_budget_bytes(job_config)
     if budget is not None:
         autop.add_memory_constraint(budget)

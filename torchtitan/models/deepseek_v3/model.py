@@ -97,20 +97,21 @@ class _BalanceLossGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_dtype = loss.dtype
+        ctx.save_for_backward(loss)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
 
 
 def balance_loss(scores: torch.Tensor, indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (without its coefficient) for scores
     [B, S, E] and chosen indices [B, S, K], averaged over the B sequences."""
     seq_len, top_k = indices.shape[1], indices.shape[2]
-    chosen = (indices.unsqueeze(-1) == torch.arange(n_experts, device=indices.device)).float()
-    f = chosen.sum(dim=(1, 2)) * (n_experts / (top_k * seq_len))  # [B, E]
+    chosen = torch.zeros_like(scores).scatter(-1, indices, 1.0)  # [B, S, E], K ones per token
+    f = chosen.sum(dim=1) * (n_experts / (top_k * seq_len))  # [B, E]
     p = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)  # [B, E]
     return (f * p).sum(-1).mean()
 
