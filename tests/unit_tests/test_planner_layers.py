@@ -26,7 +26,14 @@ STAGES = [
     "mesh_search",
 ]
 # the only modules of `torchtitan` outside the planner it may use: leaves that know torch only
-SHARED_LEAVES = {"torchtitan.torch_private", "torchtitan.exact_init", "torchtitan.recompute_ops"}
+# (the routed-experts op and its expert-parallel kernels: model code and the planner share them)
+SHARED_LEAVES = {
+    "torchtitan.torch_private",
+    "torchtitan.exact_init",
+    "torchtitan.recompute_ops",
+    "torchtitan.ops.routed_experts",
+    "torchtitan.distributed.expert_parallel",
+}
 
 
 def _stage_of(path: Path) -> str:

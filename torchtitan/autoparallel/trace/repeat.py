@@ -1,13 +1,15 @@
 """Plan a deep model from a shallow copy: repeated blocks are traced three times, not N.
 
-A container (`nn.ModuleList`, `nn.ModuleDict`, `nn.Sequential`) of four or more children
-with identical structure (same class, same parameter/buffer names, shapes and dtypes, same
-submodule classes) is a stack of repeated blocks, like a transformer's layers.  Tracing cost
-grows with depth, but the plan does not need every copy: the planner traces a copy of the
-model that keeps only the **first, second and last** block of each stack.  Block 1 stands for
-every interior block, so the nodes it produced weigh `N - 2` in the solver's objective and
-memory row (`TracedGraph.weights`); the first and last keep their own plans (their
-neighbours differ).  This is the same restriction as sharing solver variables between
+A container (`nn.ModuleList`, `nn.ModuleDict`, `nn.Sequential`) with a run of four or more
+consecutive children of identical structure (same class, same parameter/buffer names, shapes
+and dtypes, same submodule classes) is a stack of repeated blocks, like a transformer's
+layers (a mixture-of-experts decoder has two runs: its dense layers, then its MoE layers).
+Tracing cost grows with depth, but the plan does not need every copy: the planner traces a
+copy of the model that keeps only the **first, second and last** block of each run of four
+or more (and every block of a shorter run).  A run's second block stands for its interior
+blocks, so the nodes it produced weigh `N - 2` in the solver's objective and memory row
+(`TracedGraph.weights`); the first and last keep their own plans (their neighbours
+differ).  This is the same restriction as sharing solver variables between
 identical layers, with a graph that no longer grows with depth.
 
 Every node traced inside a block is labelled `"<container>#<position>"` (a forward hook enters
@@ -39,22 +41,43 @@ LABEL_KEY = "autoparallel_block"
 
 @dataclass(frozen=True)
 class RepeatedBlocks:
+    """A container whose children form runs of structurally identical blocks; `runs` holds
+    (first position, length) of each maximal run, covering every child in order (a
+    mixture-of-experts decoder: a run of dense layers, then a run of MoE layers)."""
+
     container: str  # FQN of the container module
     keys: tuple[str, ...]  # child names in the full model, in order
     renumbers: bool  # ModuleList/Sequential renumber children; ModuleDict keeps keys
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.runs:  # one run of every child
+            object.__setattr__(self, "runs", ((0, len(self.keys)),))
 
     @property
     def kept(self) -> tuple[int, ...]:
-        """Positions (in the full model) of the blocks the shallow copy keeps."""
-        return (0, 1, len(self.keys) - 1)
+        """Positions (in the full model) of the blocks the shallow copy keeps: the first,
+        second and last of a run of MIN_BLOCKS or more, every block of a shorter one."""
+        out: list[int] = []
+        for start, n in self.runs:
+            out += [start, start + 1, start + n - 1] if n >= MIN_BLOCKS else range(start, start + n)
+        return tuple(out)
 
     def representative(self, i: int) -> int:
         """Position in the shallow copy of the block that stands for full block i."""
-        return 0 if i == 0 else (2 if i == len(self.keys) - 1 else 1)
+        kept = self.kept
+        if i in kept:
+            return kept.index(i)
+        return kept.index(self._run_of(i)[0] + 1)  # an interior block: its run's second
 
     def multiplicity(self, j: int) -> int:
         """How many full blocks shallow block j stands for."""
-        return len(self.keys) - 2 if j == 1 else 1
+        i = self.kept[j]
+        start, n = self._run_of(i)
+        return n - 2 if n >= MIN_BLOCKS and i == start + 1 else 1
+
+    def _run_of(self, i: int) -> tuple[int, int]:
+        return next((s, n) for s, n in self.runs if s <= i < s + n)
 
     def reduced_key(self, j: int) -> str:
         return str(j) if self.renumbers else self.keys[self.kept[j]]
@@ -67,7 +90,8 @@ class RepeatedBlocks:
 
     @classmethod
     def from_json(cls, d: dict) -> RepeatedBlocks:
-        return cls(d["container"], tuple(d["keys"]), bool(d["renumbers"]))
+        runs = tuple(tuple(r) for r in d.get("runs", ()))
+        return cls(d["container"], tuple(d["keys"]), bool(d["renumbers"]), runs)  # type: ignore[arg-type]
 
 
 def _structure(mod: nn.Module) -> tuple:
@@ -79,9 +103,23 @@ def _structure(mod: nn.Module) -> tuple:
     )
 
 
+def _runs(children: list[nn.Module]) -> tuple[tuple[int, int], ...]:
+    """(first position, length) of each maximal run of structurally identical children."""
+    runs: list[tuple[int, int]] = []
+    prev = None
+    for i, c in enumerate(children):
+        st = _structure(c)
+        if runs and st == prev:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+        prev = st
+    return tuple(runs)
+
+
 def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
-    """Outermost containers (never the root) holding >= MIN_BLOCKS structurally identical
-    children."""
+    """Outermost containers (never the root) with a run of >= MIN_BLOCKS structurally
+    identical children."""
     found: list[RepeatedBlocks] = []
     for name, mod in model.named_modules():
         if not name or any(name.startswith(b.prefix()) for b in found):
@@ -89,15 +127,11 @@ def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
         if not isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         children = list(mod.named_children())
-        if len(children) < MIN_BLOCKS:
+        runs = _runs([c for _n, c in children])
+        if max((n for _s, n in runs), default=0) < MIN_BLOCKS:
             continue
-        first = _structure(children[0][1])
-        if all(_structure(c) == first for _n, c in children[1:]):
-            found.append(
-                RepeatedBlocks(
-                    name, tuple(n for n, _c in children), not isinstance(mod, nn.ModuleDict)
-                )
-            )
+        keys = tuple(n for n, _c in children)
+        found.append(RepeatedBlocks(name, keys, not isinstance(mod, nn.ModuleDict), runs))
     return found
 
 
