@@ -334,6 +334,27 @@ def run_one(model_name, mesh_name, world, bf16=False):
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
     if recompute:
         check_recomputes(model_name, mesh_name, pm, plan)
+    if base == "moe":
+        check_expert_layout(model_name, mesh_name, pm, expert_parallel)
+
+
+def check_expert_layout(model_name, mesh_name, pm, expert_parallel: bool) -> None:
+    """With "+ep" the lowered graphs run every MoE layer's experts through the
+    expert-parallel kernels (forward and backward), without it through the plain op."""
+    (lp,) = pm._ap_executor.lowered.values()
+    ops = [
+        str(n.target)
+        for gm in (lp.partition.fwd, lp.partition.bwd)
+        for n in gm.graph.nodes
+        if "routed_experts" in str(n.target)
+    ]
+    ep = sum("_ep" in op for op in ops)
+    want = 2 * 2 if expert_parallel else 0  # 2 MoE layers, forward and backward each
+    check(
+        f"{model_name}/{mesh_name} expert-parallel kernels {ep} of {len(ops)}",
+        ep == want and len(ops) == 4,
+        str(ops),
+    )
 
 
 def check_recomputes(model_name, mesh_name, pm, plan) -> None:

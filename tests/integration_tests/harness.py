@@ -33,6 +33,7 @@ def run_training(
     timeout: int = 600,
     env: dict[str, str] | None = None,
     inductor_cache: Path | None = None,
+    config_file: Path = DEBUG_TOML,
 ) -> Run:
     """Run `python -m torchtitan.train` on `nproc` CPU ranks with the debug config,
     FAST_ARGS and then `args` (see `loss_compare.run_training` for `inductor_cache`)."""
@@ -43,4 +44,5 @@ def run_training(
         timeout=timeout,
         env=env,
         inductor_cache=inductor_cache,
+        config_file=config_file,
     )

@@ -205,3 +205,20 @@ def test_compiled_matches_single_process_from_step_2_on():
 def test_compiled_llama_on_1d_meshes():
     checks = _torchrun("llama", "dp4,tp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "llama+compile/dp4 grads x5" in checks and "llama+compile/tp4 grads x5" in checks
+
+
+def test_moe_on_all_meshes_and_with_expert_parallelism():
+    """The MoE decoder (tiny_moe): init bitwise, forward and every gradient at 5 steps on
+    dp4, tp4, dp2xtp2 with the layouts the solver picks, and with the routed experts split
+    over the first mesh dim (tokens dispatched by all-to-all inside the lowered graphs)."""
+    checks = _torchrun("moe,moe+ep", "dp4,tp4,dp2tp2")
+    for mesh in ("dp4", "tp4", "dp2tp2"):
+        assert f"moe/{mesh} grads x5" in checks
+        assert f"moe+ep/{mesh} grads x5" in checks
+        assert f"moe+ep/{mesh} expert-parallel kernels 4 of 4" in checks
+
+
+def test_moe_expert_parallel_compiled():
+    checks = _torchrun("moe+ep", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
+    assert "moe+ep+compile/dp4 grads x5" in checks
+    assert "moe+ep+compile/dp4 expert-parallel kernels 4 of 4" in checks

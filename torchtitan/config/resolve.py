@@ -63,6 +63,7 @@ class ResolvedConfig:
             tp=self.tp,
             world_size=self.world_size,
             enable_loss_parallel=not self.job_config.parallelism.disable_loss_parallel,
+            ep=self.job_config.parallelism.expert_parallel_degree,
         )
 
     def mesh_label(self) -> str:
@@ -73,10 +74,15 @@ class ResolvedConfig:
         search = " (mesh search)" if self.mesh_searched else ""
         return (
             f"resolved config: replicate {self.dp_replicate} x shard {self.dp_shard} x "
-            f"tp {self.tp}{search}, local batch {self.local_batch_size}, global batch "
+            f"tp {self.tp}{self._ep()}{search}, local batch {self.local_batch_size}, global batch "
             f"{self.global_batch_size}, grad accumulation {self.grad_accumulation_steps} "
             f"(as typed: {_typed(user)})"
         )
+
+
+    def _ep(self) -> str:
+        ep = self.job_config.parallelism.expert_parallel_degree
+        return f" (ep {ep} of the shard ranks)" if ep > 1 else ""
 
 
 def _typed(user: JobConfig) -> str:
