@@ -47,9 +47,7 @@ def test_hand_written_moe_matches_1rank(ep, tp, reference, tmp_path):
     assert_losses_close(run.losses(), reference, rtol=1e-4, what=what)
 
 
-def test_auto_moe_with_expert_parallelism_matches_1rank_and_resumes_bitwise(
-    reference, tmp_path
-):
+def test_auto_moe_with_expert_parallelism_matches_1rank_and_resumes_bitwise(reference, tmp_path):
     args = [*AUTO, *_batch(4), *_ep(2), *CKPT]
     full = run_training(4, args, tmp_path / "full", config_file=MOE_TOML).check()
     (plan_file,) = (full.dump_folder / "plans").glob("*.json")
@@ -57,7 +55,9 @@ def test_auto_moe_with_expert_parallelism_matches_1rank_and_resumes_bitwise(
     experts = [d for n, d in plan["nodes"].items() if d["op"].startswith("titan.routed_experts")]
     assert experts and all(d["ins"][-1].split(",")[1] == "S(0)" for d in experts)  # w3 on ep
     losses = full.losses()
-    assert_losses_close(losses, reference, rtol=1e-4, what="deepseek_v3_auto_parallel ep2 vs 1 rank")
+    assert_losses_close(
+        losses, reference, rtol=1e-4, what="deepseek_v3_auto_parallel ep2 vs 1 rank"
+    )
     assert losses[10] < losses[1]
     folder = tmp_path / "stopped"
     run_training(4, [*args, "--training.stop_at_step", "5"], folder, config_file=MOE_TOML).check()

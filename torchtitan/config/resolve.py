@@ -79,7 +79,6 @@ class ResolvedConfig:
             f"(as typed: {_typed(user)})"
         )
 
-
     def _ep(self) -> str:
         ep = self.job_config.parallelism.expert_parallel_degree
         return f" (ep {ep} of the shard ranks)" if ep > 1 else ""

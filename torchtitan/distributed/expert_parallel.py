@@ -18,6 +18,8 @@ dependent.  Used by the hand-written baseline (`ExpertParallel`) and the planner
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -143,6 +145,9 @@ def _backward(ctx, grad):
 routed_experts_ep.register_autograd(_backward, setup_context=_setup_context)
 
 
+WEIGHTS = ("w1", "w2", "w3")
+
+
 class ExpertParallel(nn.Module):
     """Wraps a routed-experts module (parameters `w1`, `w2`, `w3` stacked over experts, a
     `forward(x, weights, indices)` calling `titan.routed_experts`) whose parameters already
@@ -151,7 +156,7 @@ class ExpertParallel(nn.Module):
 
     def __init__(self, experts: nn.Module, group_name: str):
         super().__init__()
-        self.w1, self.w2, self.w3 = experts.w1, experts.w2, experts.w3
+        self.w1, self.w2, self.w3 = (cast(nn.Parameter, getattr(experts, n)) for n in WEIGHTS)
         self.group_name = group_name
         self.init_weights = experts.init_weights
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch._ops import OpOverload
 from torch.distributed.tensor import Placement
@@ -28,8 +29,8 @@ from torch.distributed.tensor import Placement
 class DimOption:
     """One mesh dim's placement of each output and each tensor input."""
 
-    out: tuple[Placement | None, ...]
-    ins: tuple[Placement | None, ...]
+    out: tuple[Placement, ...]
+    ins: tuple[Placement, ...]
     collective: bool = False
 
 
@@ -48,7 +49,8 @@ class CollectiveOp:
     run_local: Callable[[tuple, list, list, object], tuple | None]
 
 
-COLLECTIVE_OPS: dict[OpOverload, CollectiveOp] = {}
+# keyed by op; looked up with any fx node target
+COLLECTIVE_OPS: dict[Any, CollectiveOp] = {}
 
 
 def register(op: OpOverload, rule: CollectiveOp) -> None:
