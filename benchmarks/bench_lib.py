@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchtitan.tools.loss_compare import run_training
+from torchtitan.tools.loss_compare import DEBUG_TOML, run_training
 from torchtitan.tools.tensorboard_io import read_scalars
 
 COMMON = [
@@ -36,6 +36,7 @@ class Config:
     name: str
     args: list[str]
     nproc: int = 4
+    config_file: Path = DEBUG_TOML
 
 
 @dataclass
@@ -47,6 +48,8 @@ class Result:
     final_loss: float = float("nan")
     wall_s: list[float] = field(default_factory=list)
     collectives: float = float("nan")  # per step, where the run counted them
+    comm_calls: dict[str, float] = field(default_factory=dict)  # per kind, counted step
+    comm_elements: dict[str, float] = field(default_factory=dict)  # sent per kind
     plan_s: list[float] = field(default_factory=list)  # auto-parallel specs: planning time
 
     @property
@@ -78,6 +81,7 @@ def measure(
                     [*COMMON, "--training.steps", str(steps), *extra_args, *c.args],
                     folder,
                     inductor_cache=inductor_cache,
+                    config_file=c.config_file,
                 )
                 result.wall_s.append(time.perf_counter() - t0)
                 run.check()
@@ -95,6 +99,11 @@ def measure(
                 counted = read_scalars(tb, "comm/collectives")
                 if counted:
                     result.collectives = next(iter(counted.values()))
+                for kind in ("all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor"):
+                    calls = read_scalars(tb, f"comm/{kind}")
+                    elements = read_scalars(tb, f"comm_elements/{kind}")
+                    result.comm_calls[kind] = next(iter(calls.values()), 0.0)
+                    result.comm_elements[kind] = next(iter(elements.values()), 0.0)
                 print(
                     f"round {r + 1}/{rounds} {c.name}: tps {result.tps[-1]:.0f}, "
                     f"peak {result.peak_gib[-1]:.2f} GiB, wall {result.wall_s[-1]:.0f}s",

@@ -20,11 +20,12 @@ from torchtitan.autoparallel.cost.model import CostModel, Estimator
 from torchtitan.autoparallel.graph import placements as P
 from torchtitan.autoparallel.ops.experts import LOAD_IMBALANCE
 from torchtitan.autoparallel.trace.repeat import find_repeated_blocks
+from torchtitan.config.resolve import check_expert_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismConfigError
 from torchtitan.errors import UserInputError
 from torchtitan.models.deepseek_v3.args import moe_configs
 from torchtitan.models.deepseek_v3.model import MoETransformer
-from torchtitan.models.deepseek_v3.parallelize import check_expert_parallel
+from torchtitan.models.llama3.args import llama3_configs
 from torchtitan.ops.routed_experts import routed_experts
 
 FAKE_WORLD_SIZE = 4
@@ -165,6 +166,8 @@ def test_expert_parallel_degree_is_carved_from_the_shard_ranks():
         ParallelDims(dp_replicate=1, dp_shard=4, tp=1, world_size=4, ep=3)
     args = dataclasses.replace(moe_configs["debugmodel"], n_routed_experts=6)
     with pytest.raises(UserInputError, match="does not divide the 6 routed experts"):
-        check_expert_parallel(args, 4, "debugmodel")
+        check_expert_parallel(args, 4, "deepseek_v3 debugmodel")
+    with pytest.raises(UserInputError, match="llama3 debugmodel has no routed experts"):
+        check_expert_parallel(llama3_configs["debugmodel"], 2, "llama3 debugmodel")
     with pytest.raises(ValueError, match="top_k 9 must be between 1 and n_routed_experts 8"):
         dataclasses.replace(moe_configs["debugmodel"], top_k=9)

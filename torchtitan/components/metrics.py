@@ -163,6 +163,8 @@ class MetricsProcessor:
             self.writer.add_scalar("comm/collectives", sum(counts.values()), step)
             for kind, n in counts.items():
                 self.writer.add_scalar(f"comm/{kind}", n, step)
+            for kind, n in getattr(counts, "sent_elements", {}).items():
+                self.writer.add_scalar(f"comm_elements/{kind}", n, step)
             self.writer.flush()
 
     def close(self) -> None:

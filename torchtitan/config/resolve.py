@@ -84,6 +84,23 @@ class ResolvedConfig:
         return f" (ep {ep} of the shard ranks)" if ep > 1 else ""
 
 
+def check_expert_parallel(model_args: BaseModelArgs, ep: int, model: str) -> None:
+    """An expert-parallel degree needs routed experts to split, a number it divides."""
+    if ep == 1:
+        return
+    experts = model_args.routed_experts()
+    if experts == 0:
+        raise UserInputError(
+            f"--parallelism.expert_parallel_degree {ep}: {model} has no routed experts; "
+            "it applies to mixture-of-experts models (deepseek_v3, deepseek_v3_auto_parallel)"
+        )
+    if experts % ep:
+        raise UserInputError(
+            f"--parallelism.expert_parallel_degree {ep} does not divide the {experts} routed "
+            f"experts of {model}"
+        )
+
+
 def _typed(user: JobConfig) -> str:
     p, t = user.parallelism, user.training
     return (
@@ -193,6 +210,7 @@ def resolve(
         run.training.global_batch_size = global_batch
     for name, option in DEGREES:
         setattr(run.parallelism, option, getattr(dims, name))
+    check_expert_parallel(model_args, dims.ep, f"{job_config.model.name} {job_config.model.flavor}")
     if spec.check_parallelism_fn is not None:
         spec.check_parallelism_fn(model_args, dims, run)
     steps = grad_accumulation_steps(run.training, dims.dp_degree)

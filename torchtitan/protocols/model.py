@@ -26,6 +26,11 @@ class BaseModelArgs:
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         raise NotImplementedError
 
+    def routed_experts(self) -> int:
+        """Routed experts per mixture-of-experts layer (what an expert-parallel degree must
+        divide); 0 for a dense model."""
+        return 0
+
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """Sizes a Megatron-style tensor-parallel degree must divide (heads, hidden sizes,
         vocabulary), by name; empty when the model states none."""

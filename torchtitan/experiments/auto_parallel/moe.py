@@ -7,23 +7,10 @@ makes it split them over an `ep` mesh dim of N ranks.
 """
 
 import dataclasses
-from typing import cast
 
-from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
 from torchtitan.models.deepseek_v3 import get_train_spec as _moe_spec
-from torchtitan.models.deepseek_v3.args import MoEModelArgs
-from torchtitan.models.deepseek_v3.parallelize import check_expert_parallel
-from torchtitan.protocols.model import BaseModelArgs
-
-
-def check_moe_auto(
-    model_args: BaseModelArgs, parallel_dims: ParallelDims, job_config: JobConfig
-) -> None:
-    """The planner takes any mesh; an expert-parallel degree must divide the experts."""
-    check_expert_parallel(cast(MoEModelArgs, model_args), parallel_dims.ep, job_config.model.flavor)
 
 
 def get_train_spec():
@@ -31,6 +18,6 @@ def get_train_spec():
         _moe_spec(),
         name="deepseek_v3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
-        check_parallelism_fn=check_moe_auto,
+        check_parallelism_fn=None,  # the planner places any mesh (config/resolve.py checks EP)
         choose_mesh_fn=choose_mesh_llama_auto,
     )

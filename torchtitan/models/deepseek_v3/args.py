@@ -62,6 +62,9 @@ class MoEModelArgs(TransformerModelArgs):
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.n_dense_layers
 
+    def routed_experts(self) -> int:
+        return self.n_routed_experts
+
     def tensor_parallel_sizes(self) -> dict[str, int]:
         sizes = super().tensor_parallel_sizes()
         sizes["moe_hidden_dim"] = self.moe_hidden_dim

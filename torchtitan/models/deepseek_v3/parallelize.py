@@ -51,12 +51,12 @@ def check_moe_parallelism(
     model_args: BaseModelArgs, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> None:
     """TP must divide heads, kv-heads, the hidden sizes, the sequence (and the vocabulary
-    with loss parallelism); EP must divide the routed experts; no DDP."""
+    with loss parallelism); no DDP, no EP with HSDP (EP must divide the routed experts:
+    `config/resolve.py` checks that for every spec)."""
     args = cast(MoEModelArgs, model_args)
     parallel_dims.check_tensor_parallel_sizes(
         args.tensor_parallel_sizes(), job_config.training.seq_len, f"MoE {job_config.model.flavor}"
     )
-    check_expert_parallel(args, parallel_dims.ep, job_config.model.flavor)
     if parallel_dims.dp_replicate_enabled and parallel_dims.ep_enabled:
         raise UserInputError(
             "--parallelism.expert_parallel_degree > 1 with data_parallel_replicate_degree > 1 "
@@ -66,14 +66,6 @@ def check_moe_parallelism(
         raise UserInputError(
             "DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree 1) is "
             "not supported by the hand-written MoE plan; use FSDP or HSDP"
-        )
-
-
-def check_expert_parallel(args: MoEModelArgs, ep: int, flavor: str) -> None:
-    if args.n_routed_experts % ep:
-        raise UserInputError(
-            f"--parallelism.expert_parallel_degree {ep} does not divide the "
-            f"{args.n_routed_experts} routed experts of flavor {flavor}"
         )
 
 
