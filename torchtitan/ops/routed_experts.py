@@ -52,7 +52,7 @@ def grouped_matmul(rows: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """rows [N, A] grouped by expert (`counts[e]` rows each) times w[e].T ([E, B, A])
     -> [N, B]."""
     wt = w.transpose(-2, -1)
-    if rows.shape[0] > 0 and rows.dtype == w.dtype and _aligned(rows, wt):
+    if rows.shape[0] > 0 and rows.dtype == w.dtype and w.is_contiguous() and _aligned(rows, wt):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(rows, wt, offs=offs)
     out = rows.new_empty((rows.shape[0], w.shape[1]))

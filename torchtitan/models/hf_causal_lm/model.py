@@ -23,6 +23,7 @@ from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserInputError
+from torchtitan.ops.hf_experts import use_routed_experts
 from torchtitan.protocols.model import BaseModelArgs
 
 INSTALL_HINT = "pip install -e '.[hf]' (or: pip install transformers)"
@@ -129,7 +130,8 @@ def _logits_class(cls: type[nn.Module]) -> type:
 
 def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:
     """The config's causal-LM class (on the current default device), logits out; SDPA
-    attention where the class has it, else its eager attention."""
+    attention where the class has it, else its eager attention; SwiGLU experts through
+    `titan.routed_experts`."""
     transformers = import_transformers()
     auto = transformers.AutoModelForCausalLM
     try:
@@ -138,6 +140,8 @@ def build_hf_causal_lm(args: HFModelArgs) -> nn.Module:
         if "scaled_dot_product_attention" not in str(e):
             raise
         model = auto.from_config(args.config, attn_implementation="eager")
+    # mixture-of-experts modules run as one op the planner can split (ops/hf_experts.py)
+    use_routed_experts(model)
     # a tensor some model code creates with an explicit device (diffllama's `torch.normal`
     # lambdas) joins the others; `init_weights` gives it its value later
     model.to(torch.get_default_device())
