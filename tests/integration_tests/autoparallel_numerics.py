@@ -77,6 +77,13 @@ def models():
             lambda g: torch.randint(0, 256, (b, s), generator=g),
             "ce",
         ),
+        # aux-loss-free balancing: the expert biases' gradients are the load signal
+        "moe_bias": (
+            lambda: tiny_moe(load_balancing="bias", score_func="sigmoid", route_norm=True),
+            lambda g: (torch.randint(0, 256, (b, s), generator=g),),
+            lambda g: torch.randint(0, 256, (b, s), generator=g),
+            "ce",
+        ),
         "moe": (
             lambda: tiny_moe(),
             lambda g: (torch.randint(0, 256, (b, s), generator=g),),
@@ -334,7 +341,7 @@ def run_one(model_name, mesh_name, world, bf16=False):
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
     if recompute:
         check_recomputes(model_name, mesh_name, pm, plan)
-    if base == "moe":
+    if base.startswith("moe"):
         check_expert_layout(model_name, mesh_name, pm, expert_parallel)
 
 

@@ -211,9 +211,10 @@ def test_moe_on_all_meshes_and_with_expert_parallelism():
     """The MoE decoder (tiny_moe): init bitwise, forward and every gradient at 5 steps on
     dp4, tp4, dp2xtp2 with the layouts the solver picks, and with the routed experts split
     over the first mesh dim (tokens dispatched by all-to-all inside the lowered graphs)."""
-    checks = _torchrun("moe,moe+ep", "dp4,tp4,dp2tp2")
+    checks = _torchrun("moe,moe+ep,moe_bias+ep", "dp4,tp4,dp2tp2")
     for mesh in ("dp4", "tp4", "dp2tp2"):
         assert f"moe/{mesh} grads x5" in checks
+        assert f"moe_bias+ep/{mesh} grads x5" in checks
         assert f"moe+ep/{mesh} grads x5" in checks
         assert f"moe+ep/{mesh} expert-parallel kernels 4 of 4" in checks
 

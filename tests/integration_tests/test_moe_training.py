@@ -32,10 +32,19 @@ def _tp(n: int) -> list[str]:
     return ["--parallelism.tensor_parallel_degree", str(n)]
 
 
+BIAS = ["--model.flavor", "debugmodel_bias"]  # aux-loss-free balancing: the bias is state
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe_1rank")
     return run_training(1, _batch(1), folder, config_file=MOE_TOML).check().losses()
+
+
+@pytest.fixture(scope="module")
+def bias_reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe_bias_1rank")
+    return run_training(1, [*BIAS, *_batch(1)], folder, config_file=MOE_TOML).check().losses()
 
 
 @pytest.mark.parametrize("ep,tp", [(4, 1), (2, 2)])

@@ -171,3 +171,28 @@ def test_expert_parallel_degree_is_carved_from_the_shard_ranks():
         check_expert_parallel(llama3_configs["debugmodel"], 2, "llama3 debugmodel")
     with pytest.raises(ValueError, match="top_k 9 must be between 1 and n_routed_experts 8"):
         dataclasses.replace(moe_configs["debugmodel"], top_k=9)
+
+
+def test_expert_biases_take_sign_steps_against_their_load_outside_adamw():
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.models.deepseek_v3.balancing import build_moe_optimizers
+    from torchtitan.models.deepseek_v3.model import Router
+
+    torch.manual_seed(0)
+    model = tiny_moe(load_balancing="bias", score_func="sigmoid", route_norm=True)
+    model.init_weights()
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    chosen = {}
+    for r in routers:
+        r.register_forward_hook(lambda mod, args, out: chosen.__setitem__(mod, out[2]))
+    opt = build_moe_optimizers([model], JobConfig())
+    adam = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not any(id(r.expert_bias) in adam for r in routers)
+    tokens = torch.randint(0, 256, (4, 16))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    for r in routers:
+        load = torch.bincount(chosen[r].flatten(), minlength=8).float()
+        want = -r.bias_update_rate * torch.sign(load - load.mean())
+        assert torch.equal(r.expert_bias.detach(), want) and r.expert_bias.grad is None
+    assert any(r.expert_bias.abs().sum() > 0 for r in routers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,16 +26,33 @@ class OptimizersContainer(Stateful):
     checkpoint saved under one parallelism loads under another.
     """
 
-    def __init__(self, model_parts: list[nn.Module], optimizer_cls: type, kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer_cls: type,
+        kwargs: dict[str, Any],
+        skip: Callable[[nn.Parameter], bool] | None = None,
+    ):
+        """`skip`: parameters this optimizer leaves to another update (`after_step`)."""
         self.model_parts = model_parts
         self.optimizers = [
-            optimizer_cls([p for p in part.parameters() if p.requires_grad], **kwargs)
+            optimizer_cls(
+                [p for p in part.parameters() if p.requires_grad and not (skip and skip(p))],
+                **kwargs,
+            )
             for part in model_parts
         ]
+        self._after_step: list[Callable[[], None]] = []
+
+    def after_step(self, fn: Callable[[], None]) -> None:
+        """Run `fn` after every `step` (a model's own update of the parameters it skips)."""
+        self._after_step.append(fn)
 
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
+        for fn in self._after_step:
+            fn()
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
@@ -57,7 +75,11 @@ class OptimizersContainer(Stateful):
             set_optimizer_state_dict(part, optimizer, state_dict, options=options)
 
 
-def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> OptimizersContainer:
+def build_optimizers(
+    model_parts: list[nn.Module],
+    job_config: JobConfig,
+    skip: Callable[[nn.Parameter], bool] | None = None,
+) -> OptimizersContainer:
     cfg = job_config.optimizer
     kwargs: dict[str, Any] = {
         "lr": cfg.lr,
@@ -67,4 +89,4 @@ def build_optimizers(model_parts: list[nn.Module], job_config: JobConfig) -> Opt
         "foreach": cfg.implementation == "foreach",
         "fused": cfg.implementation == "fused",
     }
-    return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs)
+    return OptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs, skip)

@@ -72,6 +72,6 @@ def use_routed_experts(model: nn.Module) -> int:
     routed = 0
     for module in model.modules():
         if _computable(module):
-            module.config._experts_implementation = NAME
+            setattr(module.config, "_experts_implementation", NAME)  # noqa: B010
             routed += 1
     return routed

@@ -5,10 +5,10 @@ from typing import Any, cast
 
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.datasets.dataloader import build_hf_dataloader
 from torchtitan.models.deepseek_v3.args import MoEModelArgs, moe_configs
+from torchtitan.models.deepseek_v3.balancing import build_moe_optimizers
 from torchtitan.models.deepseek_v3.model import MoETransformer
 from torchtitan.models.deepseek_v3.parallelize import check_moe_parallelism, parallelize_moe
 from torchtitan.protocols.model import BaseModelArgs
@@ -24,7 +24,7 @@ def get_train_spec() -> TrainSpec:
         flavors=moe_configs,
         parallelize_fn=parallelize_moe,
         check_parallelism_fn=check_moe_parallelism,
-        build_optimizers_fn=build_optimizers,
+        build_optimizers_fn=build_moe_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_hf_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,

@@ -15,9 +15,11 @@ Load balancing (`load_balancing`):
   averaged over sequences.  The model returns logits only, so the loss enters as gradient:
   `_BalanceLossGrad` is the identity on the layer's output forward and adds the loss's
   gradient backward — as if the trainer's loss included it.
-* "bias": aux-loss-free; a per-expert `expert_bias` buffer (model state, saved with it) is
-  added to the scores when choosing experts, not when weighting them.  Updating it from the
-  experts' load is the training loop's business (see the spec's README section).
+* "bias": DeepSeek-V3's aux-loss-free balancing; a per-expert `expert_bias` (model state,
+  saved with it) is added to the scores when choosing experts, not when weighting them, and
+  after every optimizer step moves by `bias_update_rate` against its expert's excess load
+  (`balancing.py`).  The load reaches it as its gradient (`_LoadSignal`), so it is summed
+  over the batch however the batch is split, with no buffer written in the forward.
 """
 
 from __future__ import annotations
@@ -33,12 +35,34 @@ from torchtitan.models.deepseek_v3.args import MoEModelArgs
 from torchtitan.models.llama3.model import Attention, FeedForward, precompute_rope_cache
 from torchtitan.ops.routed_experts import routed_experts
 
+# the expert bias's "gradient" is its layer's load imbalance in units of 2^-40: integer
+# counts stay exact, and the value is far below anything a gradient norm can register
+LOAD_SIGNAL_SCALE = 2.0**-40
+
+
+class _LoadSignal(torch.autograd.Function):
+    """Identity on the routing weights; backward hands the expert bias its layer's load
+    imbalance, `(n_experts * tokens_e - routed pairs) * LOAD_SIGNAL_SCALE` per expert e,
+    as its gradient (positive: expert e took more than its share)."""
+
+    @staticmethod
+    def forward(ctx, weights, bias, indices):
+        ctx.save_for_backward(bias, indices)
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias, indices = ctx.saved_tensors
+        flat = indices.reshape(-1)
+        ones = torch.ones_like(flat, dtype=torch.float32)
+        counts = torch.zeros_like(bias, dtype=torch.float32).scatter_add(0, flat, ones)
+        signal = (counts * bias.shape[0] - flat.shape[0]) * LOAD_SIGNAL_SCALE
+        return grad, signal.to(bias.dtype), None
+
 
 class Router(nn.Module):
     """Top-k token choice: per token, the K experts with the highest (biased) scores and
     their (unbiased, optionally normalised and scaled) scores as weights."""
-
-    expert_bias: torch.Tensor
 
     def __init__(self, args: MoEModelArgs):
         super().__init__()
@@ -47,13 +71,16 @@ class Router(nn.Module):
         self.score_func = args.score_func
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
         self.use_bias = args.load_balancing == "bias"
+        self.bias_update_rate = args.bias_update_rate
         if self.use_bias:
-            self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts))
+            # a parameter only to carry its load signal as a gradient (`_LoadSignal`): the
+            # optimizer leaves it alone, `balancing.update_expert_biases` moves it
+            self.expert_bias = nn.Parameter(torch.zeros(args.n_routed_experts))
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
         if self.use_bias:
-            self.expert_bias.zero_()
+            nn.init.zeros_(self.expert_bias)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
@@ -64,9 +91,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (scores [T, E], weights [T, K], indices [T, K])."""
         scores = self.scores(x)
-        choice = scores + self.expert_bias if self.use_bias else scores
+        choice = scores + self.expert_bias.detach() if self.use_bias else scores
         indices = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
+        if self.use_bias:
+            weights = _LoadSignal.apply(weights, self.expert_bias, indices)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
         return scores, weights * self.route_scale, indices
