@@ -223,3 +223,11 @@ def test_moe_expert_parallel_compiled():
     checks = _torchrun("moe+ep", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "moe+ep+compile/dp4 grads x5" in checks
     assert "moe+ep+compile/dp4 expert-parallel kernels 4 of 4" in checks
+
+
+@needs_transformers
+def test_hf_moe_family_through_the_experts_op():
+    """transformers' Mixtral (tiny config): its experts module runs as titan.routed_experts;
+    init bitwise, forward and every gradient at 5 steps on dp2xtp2."""
+    checks = _torchrun("hf:mixtral", "dp2tp2")
+    assert "hf:mixtral/dp2tp2 grads x5" in checks
