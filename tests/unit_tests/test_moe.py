@@ -196,3 +196,26 @@ def test_expert_biases_take_sign_steps_against_their_load_outside_adamw():
         want = -r.bias_update_rate * torch.sign(load - load.mean())
         assert torch.equal(r.expert_bias.detach(), want) and r.expert_bias.grad is None
     assert any(r.expert_bias.abs().sum() > 0 for r in routers)
+
+
+def test_mesh_search_tries_every_expert_parallel_degree_that_divides():
+    from torchtitan.distributed.parallel_dims import expert_parallel_candidates
+    from torchtitan.experiments.auto_parallel.mesh_choice import with_expert_parallel
+
+    assert expert_parallel_candidates(8, 8, "auto") == [1, 2, 4, 8]
+    assert expert_parallel_candidates(8, 6, "auto") == [1, 2]
+    assert expert_parallel_candidates(8, 0, "auto") == [1]  # a dense model
+    assert expert_parallel_candidates(6, 8, 4) == []
+    keep, skipped = with_expert_parallel(
+        [{"dp_replicate": 1, "dp_shard": 4, "tp": 1}, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}],
+        "auto",
+        8,
+    )
+    assert [(d["dp_shard"], d["tp"], d["ep"]) for d in keep] == [
+        (4, 1, 1),
+        (4, 1, 2),
+        (4, 1, 4),
+        (2, 2, 1),
+        (2, 2, 2),
+    ]
+    assert not skipped

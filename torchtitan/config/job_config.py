@@ -157,11 +157,12 @@ class Parallelism:
     pure data-parallel mesh gives (global_batch_size, or local_batch_size x world size) and
     local_batch_size becomes its share per data-parallel rank."""
 
-    expert_parallel_degree: int = 1
+    expert_parallel_degree: int | Literal["auto"] = 1
     """Split a mixture-of-experts model's routed experts over this many ranks, carved from
     the data-parallel shard ranks (it must divide data_parallel_shard_degree); each rank
     sends its tokens to their experts' ranks by all-to-all.  1 disables it (the planner
-    specs then choose the experts' layout themselves)."""
+    specs then choose the experts' layout themselves); auto: the mesh search also tries
+    every degree that divides the shard degree and the experts (planner specs only)."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "default"
     """Free gathered parameters after forward: always (saves memory), never (saves an

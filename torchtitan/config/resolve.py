@@ -22,6 +22,7 @@ from torchtitan.config.job_config import JobConfig, Parallelism, Training
 from torchtitan.distributed.parallel_dims import (
     AUTO,
     DEGREES,
+    EP_OPTION,
     ParallelDims,
     ParallelismConfigError,
     check_search_degrees,
@@ -47,6 +48,8 @@ class ResolvedConfig:
     grad_accumulation_steps: int
     mesh_searched: bool
     """The degrees are the spec's mesh search's choice (some were typed as `auto`)."""
+    ep: int
+    """Expert-parallel degree (carved from the shard ranks)."""
     job_config: JobConfig = field(compare=False, repr=False)
     """A copy of the user's config with the values above written in: what the spec's
     builders (dataloader, `parallelize_fn`, ...) read.  The user's own is left as typed."""
@@ -63,7 +66,7 @@ class ResolvedConfig:
             tp=self.tp,
             world_size=self.world_size,
             enable_loss_parallel=not self.job_config.parallelism.disable_loss_parallel,
-            ep=self.job_config.parallelism.expert_parallel_degree,
+            ep=self.ep,
         )
 
     def mesh_label(self) -> str:
@@ -80,8 +83,7 @@ class ResolvedConfig:
         )
 
     def _ep(self) -> str:
-        ep = self.job_config.parallelism.expert_parallel_degree
-        return f" (ep {ep} of the shard ranks)" if ep > 1 else ""
+        return f" (ep {self.ep} of the shard ranks)" if self.ep > 1 else ""
 
 
 def check_expert_parallel(model_args: BaseModelArgs, ep: int, model: str) -> None:
@@ -138,7 +140,8 @@ def grad_accumulation_steps(training: Training, dp_degree: int) -> int:
 def check_mesh_search_possible(spec: TrainSpec, parallelism: Parallelism, world_size: int) -> None:
     """`auto` needs a spec that can choose its mesh, and fixed degrees the world allows."""
     if spec.choose_mesh_fn is None:
-        option = next(o for _, o in DEGREES if getattr(parallelism, o) == AUTO)
+        options = [o for _, o in DEGREES] + [EP_OPTION]
+        option = next(o for o in options if getattr(parallelism, o) == AUTO)
         raise ParallelismConfigError(
             f"--parallelism.{option} auto: the {spec.name} spec cannot choose its mesh "
             "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
@@ -171,7 +174,7 @@ def search_mesh(
     local = global_batch // (degrees["dp_replicate"] * degrees["dp_shard"])
     logger.info(
         "mesh search chose "
-        + ", ".join(f"{o} {degrees[n]}" for n, o in DEGREES)
+        + ", ".join(f"{o} {degrees[n]}" for n, o in [*DEGREES, ("ep", EP_OPTION)] if n in degrees)
         + f"; global batch {global_batch}, local batch {local}"
     )
     return choice
@@ -204,12 +207,14 @@ def resolve(
             tp=degrees["tp"],
             world_size=world_size,
             enable_loss_parallel=not parallelism.disable_loss_parallel,
+            ep=degrees.get("ep", 1),
         )
         global_batch = search_global_batch(job_config.training, world_size)
         run.training.local_batch_size = global_batch // dims.dp_degree
         run.training.global_batch_size = global_batch
     for name, option in DEGREES:
         setattr(run.parallelism, option, getattr(dims, name))
+    run.parallelism.expert_parallel_degree = dims.ep
     check_expert_parallel(model_args, dims.ep, f"{job_config.model.name} {job_config.model.flavor}")
     if spec.check_parallelism_fn is not None:
         spec.check_parallelism_fn(model_args, dims, run)
@@ -225,5 +230,6 @@ def resolve(
         global_batch_size=run.training.global_batch_size,
         grad_accumulation_steps=steps,
         mesh_searched=mesh_choice is not None,
+        ep=dims.ep,
         job_config=run,
     )

@@ -22,9 +22,23 @@ DEGREES = (  # (ParallelDims field, its --parallelism option), outermost mesh di
 )
 
 
+EP_OPTION = "expert_parallel_degree"
+
+
 def mesh_search_requested(parallelism) -> bool:
     """Whether any degree is `auto` (left to the spec's mesh search)."""
-    return any(getattr(parallelism, option) == AUTO for _, option in DEGREES)
+    options = [option for _, option in DEGREES] + [EP_OPTION]
+    return any(getattr(parallelism, option, 1) == AUTO for option in options)
+
+
+def expert_parallel_candidates(dp_shard: int, routed_experts: int, setting) -> list[int]:
+    """The expert-parallel degrees a mesh search tries with this shard degree: the given one,
+    or for `auto` every degree dividing both the shard ranks and the experts (1 included)."""
+    if setting != AUTO:
+        return [setting] if dp_shard % setting == 0 else []
+    if routed_experts == 0:
+        return [1]
+    return [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and routed_experts % d == 0]
 
 
 def open_degrees(parallelism) -> dict[str, int | None]:
@@ -112,9 +126,10 @@ class ParallelDims:
             ("dp_replicate", self.dp_replicate),
             ("dp_shard", self.dp_shard),
             ("tp", self.tp),
+            ("ep", self.ep),
         ):
             if degree == AUTO:
-                option = dict(DEGREES)[name]
+                option = {**dict(DEGREES), "ep": EP_OPTION}[name]
                 raise ParallelismConfigError(
                     f"--parallelism.{option} auto: no mesh search chose it; give a number"
                 )

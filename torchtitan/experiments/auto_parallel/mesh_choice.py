@@ -1,7 +1,9 @@
 """`--parallelism.tensor_parallel_degree auto` (and the other degrees): the spec's mesh search.
 
 The candidates are the factorisations of the world into the degrees left open (`auto`, and
-the shard degree's -1 next to an `auto`), as `ParallelDims` would lay them out, minus those
+the shard degree's -1 next to an `auto`), as `ParallelDims` would lay them out — each with
+every expert-parallel degree to try when that is `auto` (`ep` dividing the shard degree and
+the routed experts) — minus those
 the model or machine rules out: a tp degree must pass `tensor_parallel_misfits` (the rule
 the hand-written spec's check applies too: heads, hidden sizes, the vocabulary with loss
 parallelism, the sequence) and stay within one node (`CostModel.gpus_per_node`, when the
@@ -28,6 +30,7 @@ from torchtitan.autoparallel.mesh_search import (
 )
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import (
+    expert_parallel_candidates,
     mesh_dims,
     open_degrees,
     tensor_parallel_misfits,
@@ -96,6 +99,21 @@ def candidate_degrees(
     return keep, skipped
 
 
+def with_expert_parallel(
+    keep: list[dict[str, int]], setting, routed_experts: int
+) -> tuple[list[dict[str, int]], list[tuple[dict[str, int], str]]]:
+    """Each kept candidate once per expert-parallel degree to try (`ep` in its degrees)."""
+    out, skipped = [], []
+    for degrees in keep:
+        eps = expert_parallel_candidates(degrees["dp_shard"], routed_experts, setting)
+        if not eps:
+            skipped.append(
+                (degrees, f"ep {setting} does not divide dp_shard {degrees['dp_shard']}")
+            )
+        out += [{**degrees, "ep": ep} for ep in eps]
+    return out, skipped
+
+
 def _label(degrees: dict[str, int]) -> str:
     return MeshCandidate(*zip(*mesh_dims(**degrees))).label()
 
@@ -122,6 +140,10 @@ def choose_mesh(
         job_config.training.seq_len,
         cost_model.gpus_per_node if cost_model.tp_within_node else None,
     )
+    keep, no_ep = with_expert_parallel(
+        keep, parallelism.expert_parallel_degree, model_args.routed_experts()
+    )
+    skipped += no_ep
     if not keep:
         from torchtitan.distributed.parallel_dims import ParallelismConfigError
 
