@@ -122,7 +122,8 @@ def test_only_planner_specs_can_choose_their_mesh():
         check_mesh_search_possible(get_train_spec("llama3"), tp_auto, 4)
     assert str(err.value) == (
         "--parallelism.tensor_parallel_degree auto: the llama3 spec cannot choose its mesh "
-        "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+        "(the planner specs can: llama3_auto_parallel, hf_auto_parallel, "
+        "deepseek_v3_auto_parallel); give a number"
     )
     # the message names the first degree left to auto
     both = Parallelism(data_parallel_replicate_degree="auto", tensor_parallel_degree="auto")
@@ -167,7 +168,8 @@ def test_preflight_error_line_for_the_manual_spec(capsys, monkeypatch):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
         "error: --parallelism.tensor_parallel_degree auto: the llama3 spec cannot choose its "
-        "mesh (the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+        "mesh (the planner specs can: llama3_auto_parallel, hf_auto_parallel, "
+        "deepseek_v3_auto_parallel); give a number"
     ]
 
 

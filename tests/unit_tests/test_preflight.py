@@ -52,7 +52,8 @@ def _preflight(*args, world_size=4):
         ),
         (
             ["--model.name", "llama9"],
-            "unknown model 'llama9'; registered: hf_auto_parallel, llama3, llama3_auto_parallel",
+            "unknown model 'llama9'; registered: deepseek_v3, deepseek_v3_auto_parallel, "
+            "hf_auto_parallel, llama3, llama3_auto_parallel",
         ),
         (["--model.flavor", "7B"], "unknown flavor '7B' for llama3"),
         (["--model.tokenizer_path", "/nonexistent/tok"], "/nonexistent/tok"),

@@ -144,7 +144,8 @@ def check_mesh_search_possible(spec: TrainSpec, parallelism: Parallelism, world_
         option = next(o for o in options if getattr(parallelism, o) == AUTO)
         raise ParallelismConfigError(
             f"--parallelism.{option} auto: the {spec.name} spec cannot choose its mesh "
-            "(the planner specs can: llama3_auto_parallel, hf_auto_parallel); give a number"
+            "(the planner specs can: llama3_auto_parallel, hf_auto_parallel, "
+            "deepseek_v3_auto_parallel); give a number"
         )
     check_search_degrees(parallelism, world_size)
 
