@@ -25,6 +25,10 @@ of candidates and writes it to `mesh_search.json` and the HTML page, then report
 chosen mesh as above.  The trainer's `--parallelism.tensor_parallel_degree auto` runs the
 same search.
 
+`--diff A.json B.json` plans nothing: it prints two saved plans side by side (meshes, the
+predicted step, compute, communication and peak memory, and every parameter pattern whose
+placements differ), e.g. two meshes, two precisions, or a plan before and after an edit.
+
 Bad input prints one `error: ...` line and exits with status 2.
 """
 
@@ -116,6 +120,13 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", default="plan_out")
     ap.add_argument("--apply", action="store_true", help="also time apply_placement (fake mesh)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        help="compare two saved plans (meshes, predicted costs, parameters placed apart) "
+        "and plan nothing",
+    )
     return ap.parse_args(argv)
 
 
@@ -440,9 +451,27 @@ def run(a) -> int:
     return 0
 
 
+def diff(paths: list[str]) -> int:
+    """`--diff A B`: print what differs between two saved plans."""
+    from pathlib import Path
+
+    from torchtitan.autoparallel.plan.diff import plan_diff
+    from torchtitan.autoparallel.plan.plan import Plan
+
+    plans = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise BadInput(f"--diff: no plan file {path!r}")
+        plans.append(Plan.load(path))  # a file that is not a plan: PlannerError, one line
+    print(plan_diff(plans[0], plans[1], labels=(Path(paths[0]).name, Path(paths[1]).name)))
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         a = parse_args(argv)
+        if a.diff:
+            return diff(a.diff)
         return run(a)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)

@@ -262,3 +262,56 @@ def test_llama3_70b_on_dp_tp8_uses_tp_inside_fsdp(seq, fake_world):
     assert len(attention) == 2
     for d in attention:  # q, k, v: [batch, heads, seq, head_dim], heads split on tp
         assert [pl.split(",")[1] for pl in d["ins"]] == ["S(1)"] * 3, d
+
+
+def _saved_plan(path, mesh, names, params, step_us):
+    from torchtitan.autoparallel.plan.plan import Plan
+
+    plan = Plan(
+        mesh_shape=mesh,
+        mesh_dim_names=names,
+        params=params,
+        grads={},
+        buffers={},
+        inputs=[],
+        outputs=[],
+        nodes={},
+        predicted={"step_us": step_us, "peak_bytes_per_rank": 2.0**31},
+    )
+    plan.save(path)
+    return str(path)
+
+
+def test_plan_diff_names_the_parameters_placed_apart_and_both_costs(tmp_path, capsys):
+    a = _saved_plan(
+        tmp_path / "a.json",
+        [4],
+        ["dp"],
+        {"layers.0.w.weight": "S(0)", "layers.1.w.weight": "S(0)", "norm.weight": "R"},
+        1500.0,
+    )
+    b = _saved_plan(
+        tmp_path / "b.json",
+        [2, 2],
+        ["dp", "tp"],
+        {"layers.0.w.weight": "S(0),S(1)", "layers.1.w.weight": "S(0),S(1)", "norm.weight": "R,R"},
+        1250.0,
+    )
+    assert plan_script.main(["--diff", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "mesh: a.json dp=4 | b.json dp=2 x tp=2" in out
+    assert "predicted step ms" in out and "1.500" in out and "1.250" in out
+    assert "peak memory GiB/rank" in out and "2.000" in out
+    assert "2 of 2 parameter patterns placed apart:" in out
+    assert "layers.*.w.weight\n    a.json: dp:S(0)\n    b.json: dp:S(0), tp:S(1)" in out
+    assert plan_script.main(["--diff", a, a]) == 0
+    assert "every parameter is placed alike (2 patterns)" in capsys.readouterr().out
+
+
+def test_plan_diff_of_a_missing_or_foreign_file_is_one_line(tmp_path, capsys):
+    a = _saved_plan(tmp_path / "a.json", [4], ["dp"], {"w": "S(0)"}, 1.0)
+    assert plan_script.main(["--diff", a, str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --diff: no plan file '{tmp_path}/nope.json'"
+    (tmp_path / "x.json").write_text("{}")
+    assert plan_script.main(["--diff", a, str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: plan format version 1")
