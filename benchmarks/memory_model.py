@@ -494,20 +494,21 @@ def format_result(res: dict) -> str:
         "| term | predicted MiB/rank | measured MiB (max over ranks) | measured/predicted |",
         "|---|---:|---:|---:|",
     ]
-    for label, key in (
-        ("parameters", "param"),
-        ("gradients", "grad"),
-        ("AdamW state", "optim"),
-        ("saved activations at the fwd/bwd boundary", "saved_at_boundary"),
-        ("at the predicted peak: saved activations", "activation"),
-        ("at the predicted peak: backward working set", "transient"),
-        ("**peak**", "peak"),
+    for label, key, measured_key in (
+        ("parameters", "param", "param"),
+        ("gradients (after the backward)", "all_grad", "grad"),
+        ("AdamW state", "optim", "optim"),
+        ("saved activations at the fwd/bwd boundary", "saved_at_boundary", "saved_at_boundary"),
+        ("at the predicted peak: reduced gradients", "grad", None),
+        ("at the predicted peak: saved activations", "activation", None),
+        ("at the predicted peak: backward working set", "transient", None),
+        ("**peak**", "peak", "peak"),
     ):
         p = pred.get(f"{key}_bytes_per_rank", 0.0)
-        if key in ("activation", "transient"):  # the parts of the predicted peak
+        if measured_key is None:  # the parts of the predicted peak
             lines.append(f"| {label} | {p / MiB:.2f} | - | - |")
             continue
-        m = max(r["measured"][f"{key}_bytes"] for r in ranks)
+        m = max(r["measured"][f"{measured_key}_bytes"] for r in ranks)
         lines.append(
             f"| {label} | {p / MiB:.2f} | {m / MiB:.2f} | {m / p if p else float('nan'):.2f} |"
         )

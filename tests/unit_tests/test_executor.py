@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.execute.buckets import RS, WAIT
+from torchtitan.autoparallel.execute.buckets import RS, WAIT, consecutive_units
 
 
 @pytest.fixture
@@ -208,3 +208,15 @@ def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
         last_made_next = max(chains[nxt][0])
         late = [r.name for r in chains[unit][1] if pos[r] > last_made_next]
         assert not late, f"{unit}'s reductions {late} wait for {nxt}'s gradients"
+
+
+def test_a_gather_is_issued_ahead_only_from_the_unit_before_it():
+    units = [f"layers.{i}" for i in range(6)]
+    assert consecutive_units("layers.5", "layers.4", units)
+    assert consecutive_units("", "layers.5", units)  # the head, then the last block
+    assert consecutive_units("layers.0", "", units)  # the first block, then the embedding
+    # the blocks between keep their parameters: gathering layers.0 while layers.5 runs
+    # would hold it through their whole backward
+    assert not consecutive_units("layers.5", "layers.0", units)
+    assert not consecutive_units("", "layers.3", units)
+    assert not consecutive_units("layers.1", "other.0", units)

@@ -10,6 +10,7 @@ from scratch with a fresh `AutoParallel`.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -208,47 +209,54 @@ def test_candidate_whose_batch_cannot_split_is_reported_and_the_rest_compete():
     assert result.best.mesh == DP4_TP2
 
 
+LEAST = re.compile(r"the least memory any plan needs under the other constraints is ([\d.]+) GiB")
+
+
 def test_memory_budget_rules_out_meshes_and_the_rest_compete():
-    # activations dominate: tp keeps the whole (replicated) residual stream per rank, so
-    # the faster tp meshes need more memory per rank than pure FSDP
     model, shape = meta_mlp(2048, 8192), (64, 256, 2048)
     cands = [DP8, DP4_TP2, DP2_TP4]
     free = search(model, shape, cands, SLOW_INTER)
     assert free.best.mesh == DP2_TP4
-    peak = {r.mesh: r.predicted["peak_bytes_per_rank"] / 2**30 for r in free.results}
-    assert peak[DP8] < peak[DP4_TP2] < peak[DP2_TP4]
 
-    budget = peak[DP4_TP2] * 1.01  # dp 4 x tp 2's fastest plan fits; tp 4 has none that does
+    # a budget no plan meets: every candidate is ruled out, each naming the least memory
+    # its plans need (the more tp, the more of the residual stream each rank holds)
+    with pytest.raises(PlannerError) as err:
+        search(model, shape, cands, SLOW_INTER, constrain=constrain_with(0.01))
+    message = str(err.value)
+    assert message.startswith("mesh search: no candidate mesh has a plan (dp_shard 8: ")
+    for cand in cands:
+        assert f"{cand.label()}: constraints cannot all hold" in message
+    least = dict(zip(cands, map(float, LEAST.findall(message)), strict=True))
+    assert least[DP8] < least[DP4_TP2] < least[DP2_TP4]
+
+    budget = (least[DP4_TP2] + least[DP2_TP4]) / 2  # dp 4 x tp 2 has a plan; tp 4 none
     tight = search(model, shape, cands, SLOW_INTER, constrain=constrain_with(budget))
     fits = {r.mesh: r.fits for r in tight.results}
     assert fits == {DP8: True, DP4_TP2: True, DP2_TP4: False}
+    for r in tight.results[:2]:  # the plans chosen fit, and a budget never makes one faster
+        assert r.predicted["peak_bytes_per_rank"] <= budget * 2**30 * (1 + 1e-6)
+        assert r.step_us >= free.results[cands.index(r.mesh)].step_us * (1 - 1e-6)
     bad = tight.results[2]
-    assert bad.note.startswith(f"constraints cannot all hold: memory budget {budget:.3f} GiB")
+    assert bad.note.startswith(f"constraints cannot all hold: memory budget {budget:.4g} GiB")
     assert "\n" not in bad.note and bad.step_us == math.inf and bad.lower_bound == math.inf
-    assert tight.best.mesh == DP4_TP2
-    assert tight.best.step_us == pytest.approx(free.results[1].step_us, rel=1e-6)
+    best = min(tight.results[:2], key=lambda r: r.step_us)
+    assert tight.best.mesh == best.mesh
 
     rows = tight.table().splitlines()
     assert rows[0].split() == (
         ["mesh", "step", "ms", "exposed", "comm", "ms", "memory/rank", "GiB", "fits", "plan", "s"]
     )
     assert len(rows) == 4
-    assert [row.startswith("*") for row in rows[1:]] == [False, True, False]
-    assert rows[2].startswith("*  dp_shard 4 x tp 2  ")
+    chosen = tight.chosen
+    assert [row.startswith("*") for row in rows[1:]] == [i == chosen for i in range(3)]
+    assert rows[1 + chosen].startswith(f"*  {best.mesh.label()}  ")
     assert rows[3].startswith("   dp_shard 2 x tp 4  -") and f"no: {bad.note}" in rows[3]
 
     # the JSON the trainer broadcasts keeps infeasible candidates and their notes
     again = MeshSearch.from_json(tight.to_json())
-    assert again.chosen == tight.chosen and again.best.mesh == DP4_TP2
+    assert again.chosen == tight.chosen and again.best.mesh == best.mesh
     assert [r.note for r in again.results] == [r.note for r in tight.results]
     assert [r.fits for r in again.results] == [True, True, False]
-
-    with pytest.raises(PlannerError) as err:
-        search(model, shape, cands, SLOW_INTER, constrain=constrain_with(peak[DP8] * 0.6))
-    message = str(err.value)
-    assert message.startswith("mesh search: no candidate mesh has a plan (dp_shard 8: ")
-    for cand in cands:
-        assert f"{cand.label()}: constraints cannot all hold" in message
 
 
 def test_no_candidates_is_an_error():
@@ -459,3 +467,33 @@ def test_candidates_vocab_counts_only_with_loss_parallelism():
         None,
     )
     assert [d["tp"] for d in keep] == [4, 2, 1] and skipped == []
+
+
+def test_the_node_size_says_which_dims_cross_nodes_and_changes_the_choice():
+    one_node = CostModel.for_device("h100", inter=LinkSpec(20.0, 5.0), gpus_per_node=8)
+    assert SLOW_INTER.within_node((2, 4)) == [False, True]  # dp 2 of nodes of 4: inter
+    assert SLOW_INTER.within_node((4, 2)) == [False, True]
+    assert SLOW_INTER.within_node((2, 2)) == [True, True]  # a block of 4 ranks: one node
+    assert SLOW_INTER.within_node((8,)) == [False]
+    assert SLOW_INTER.within_node((3,)) == [False]  # 3 ranks straddle nodes of 4
+    assert one_node.within_node((2, 4)) == [True, True]
+    assert SLOW_INTER.mesh_links((2, 4)) == [SLOW_INTER.inter, SLOW_INTER.intra]
+    assert SLOW_INTER.node_layout((2, 4), ("dp_shard", "tp")) == (
+        "nodes of 4 ranks: dp_shard inter-node, tp intra-node"
+    )
+    # the model that takes tp 4 across two nodes of 4 keeps to FSDP inside one node of 8
+    model, shape = meta_mlp(2048, 8192), (8, 16, 2048)
+    cands = [DP8, DP4_TP2, DP2_TP4]
+    result = search(model, shape, cands, one_node, tie_break=lambda c: c.size("tp"))
+    assert result.best.mesh != DP2_TP4, result.table()
+    assert_matches_independent_solves(result, model, shape, one_node)
+
+
+def test_the_job_cost_model_takes_the_node_size_from_the_launch(monkeypatch):
+    from torchtitan.experiments.auto_parallel.parallelize import job_cost_model
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert job_cost_model("h100").gpus_per_node == 2
+    assert job_cost_model("auto").device == DEVICES["cpu"]  # no GPU here
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert job_cost_model("a100").gpus_per_node == 8

@@ -82,6 +82,24 @@ def _solve(
         (["--mesh", "auto", "--world", "7", "--batch", "8"], "no (dp, tp) split of world 7"),
         (["--proof-limit", "0"], "--proof-limit must be positive, got 0.0"),
         (["--time-limit", "nan"], "--time-limit must be positive, got nan"),
+        (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
+        (["--mesh", "8,8", "--nodes", "4"], "--mesh 8,8 has 64 ranks, but --nodes 4 x"),
+        (["--mesh", "auto", "--world", "8", "--nodes", "2"], "--world 8 is not --nodes 2 x"),
+        (
+            [
+                "--mesh",
+                "auto",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--flavor",
+                "debugmodel",
+                "--batch",
+                "3",
+            ],
+            "no (dp, tp) split of world 4",
+        ),
     ],
 )
 def test_plan_script_bad_input(argv, needle, capsys):

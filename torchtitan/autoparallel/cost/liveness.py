@@ -2,7 +2,9 @@
 
 The executor (lower.py) runs the forward graph, then the backward graph: the backward's ops in
 graph order, each preceded by the values recomputed for it (recompute.py), every value freed
-after its last use.  `snapshots` replays that order on the planner's joint graph, under one
+after its last use, except the outputs' gradients (the caller's autograd holds them until the
+backward returns) and the parameters' gradients (unreduced until their unit's reduction, after
+the unit's backward).  `snapshots` replays that order on the planner's joint graph, under one
 recompute policy for every block, and reports the moments the memory model (memory.py) needs:
 
 * `"boundary"`: the backward's start.  Every saved value, the forward outputs (the caller's
@@ -14,8 +16,8 @@ recompute policy for every block, and reports the moments the memory model (memo
 A snapshot lists the values alive then as (node, output index) of the strategy nodes whose
 choice sets their local size, split into *saved* (forward values kept for the backward) and
 *transient* (made in the backward: gradients and recomputed values).  Views share their base's
-storage and count as the base; parameters, buffers and parameter gradients are not listed
-(memory.py counts them as static terms).
+storage and count as the base; parameters and buffers are not listed (memory.py counts them
+as static terms, and the reduced gradients apart).
 """
 
 from __future__ import annotations
@@ -131,11 +133,11 @@ def _lifetimes(
     for t, (n, backward) in enumerate(events):
         for a in n.all_input_nodes:
             k = _value_key(a, backward, recomputed)
-            if k[0] in static or k[0] in grads:
+            if k[0] in static:
                 continue
             last[k] = t
             born.setdefault(k, first_backward if k[0].op == "placeholder" else t)
-        if not (is_view(n) or is_getitem(n)) and n not in grads:
+        if not (is_view(n) or is_getitem(n)):
             v = n.meta.get("val")
             outs = len(v) if isinstance(v, (list, tuple)) else 1
             for i in range(outs):
@@ -145,6 +147,15 @@ def _lifetimes(
     for o in tg.outputs:  # held by the caller until its loss's backward starts
         k = _value_key(o, False, recomputed)
         last[k] = max(last.get(k, 0), first_backward)
+    end = len(events) - 1
+    for tangent in tg.tangents:  # the caller's autograd holds them until the backward returns
+        if tangent is not None:
+            last[_value_key(tangent, True, recomputed)] = end
+    block_end = {block_label(n): i for i, (n, backward) in enumerate(events) if backward}
+    for g in grads:  # unreduced until its unit's reduction, after the unit's backward
+        k = _value_key(g, True, recomputed)
+        if k in born:
+            last[k] = max(last[k], block_end.get(block_label(g), end) if block_label(g) else end)
     return born, last
 
 

@@ -1,21 +1,30 @@
 """Per-rank memory model: parameters, gradients, optimizer state and activations, at the
 moments of the step where memory peaks.
 
-Static bytes per rank = sum over parameters of local bytes x (1 parameter + 1 gradient) +
-local numel x `optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes).  They are alive all
-step long.  Activations come and go; liveness.py replays the executor's order (forward, then
-the backward with each block's recomputation just before its first use, every value freed
-after its last use) and names the candidate peaks: the forward/backward boundary, where every
-saved value, the outputs and their gradients are alive, and the busiest moment of each block's
-backward (and of the rest of the backward: head, loss), where the values saved by the blocks
-not yet reached are alive together with that block's gradients and recomputed values.
+Static bytes per rank = sum over parameters of local bytes + local numel x
+`optim_bytes_per_elem` (AdamW: two fp32 states = 8 bytes), alive all step long.  A reduced
+gradient (local bytes of its parameter) exists from its unit's reduction on: none at the
+forward/backward boundary (the trainer frees them after each step), those of the blocks the
+backward has finished in a block's row, all of them in the rest of the backward (an upper
+bound, `_reduced_by`).  Activations come and go; liveness.py replays the executor's order
+(forward, then the backward with each block's recomputation just before its first use, every
+value freed after its last use, an unreduced gradient kept until its unit's reduction, the
+outputs' gradients held by the caller's autograd all backward long) and names the candidate
+peaks: the forward/backward boundary, where every saved value, the outputs and their
+gradients are alive, and the busiest moment of each block's backward (and of the rest of the
+backward: head, loss), where the values saved by the blocks not yet reached are alive
+together with that block's gradients and recomputed values.  A block's backward also holds
+the copies it gathers of its parameters (`gather_terms`): redistributions of kept chain
+values into the backward, and, for a unit that gathers again, the gathered parameters, twice
+(the executor gathers the next unit's one unit ahead; a stack's blocks are taken to be alike).
 
-Each candidate is one *row*: static + saved values alive then + transient values (gradients,
-recomputed values) alive then, each at its local size under the chosen strategy, so linear in
-the plan.  The predicted peak is the largest row; a memory budget bounds every row.  A saved
-value counts as its base (views share storage).  When the plan redistributes a tensor on its
-way into a saved view (the transpose of an all-gathered weight), the view keeps that copy
-alive: a "copy" term on the edge, in the placement the view receives.
+Each candidate is one *row*: static + reduced gradients + saved values alive then +
+transient values (unreduced gradients, recomputed values, gathered copies) alive then, each
+at its local size under the chosen strategy, so linear in the plan.  The predicted peak is
+the largest row; a memory budget bounds every row.  A saved value counts as its base (views
+share storage).  When the plan redistributes a tensor on its way into a saved view (the
+transpose of an all-gathered weight), the view keeps that copy alive: a "copy" term on the
+edge, in the placement the view receives.
 
 *Keep or gather again* (regather.py).  A unit that keeps its gathered parameters holds their
 chain's values (cast, transpose, gathered copies: the copy on an edge into a saved view, and
@@ -39,7 +48,7 @@ following it; values of no block (the embedding, the head) are taken from that r
 
 The loss is outside the model's graph: at the boundary it is taken to hold
 `LOSS_OUTPUT_COPIES` output-sized tensors (cross-entropy's log-softmax, and the softmax its
-backward makes).  Not counted: temporaries inside one op and communication buffers.
+backward makes).  Not counted: temporaries inside one op and the buffers of a reduction.
 """
 
 from __future__ import annotations
@@ -202,12 +211,30 @@ def chain_up(table: StrategyTable, start: fx.Node) -> list[fx.Node]:
 
 
 def param_terms(tg: TracedGraph, optim_bytes_per_elem: int) -> list[MemoryTerm]:
-    """Parameter + gradient + optimizer state of every parameter (static, all step long)."""
+    """Parameter + optimizer state of every parameter (static, all step long)."""
     terms = []
     for pnode in tg.params.values():
         v = pnode.meta["val"]
-        per_elem = 2 * v.element_size() + optim_bytes_per_elem
+        per_elem = v.element_size() + optim_bytes_per_elem
         terms.append(MemoryTerm(pnode, 0, float(v.numel() * per_elem), "param"))
+    return terms
+
+
+def grad_terms(
+    tg: TracedGraph, table: StrategyTable, chain: dict[fx.Node, str]
+) -> list[tuple[MemoryTerm, str | None]]:
+    """The reduced gradient of every parameter, in the parameter's placement, with the block
+    that uses the parameter (None: outside every block; `chain`: `param_chains`)."""
+    block: dict[str, str | None] = {}
+    for node, fqn in chain.items():
+        for user in node.users:
+            if block.get(fqn) is None and user in table.nodes:
+                block[fqn] = block_label(user)
+    terms = []
+    for fqn, pnode in tg.params.items():
+        v = pnode.meta["val"]
+        term = MemoryTerm(pnode, 0, float(v.numel() * v.element_size()), "grad")
+        terms.append((term, block.get(fqn)))
     return terms
 
 
@@ -231,16 +258,59 @@ def copy_terms(
     return out
 
 
+def gather_terms(
+    tg: TracedGraph, table: StrategyTable, chain: dict[fx.Node, str]
+) -> list[tuple[MemoryTerm, str, bool]]:
+    """The copies a block's backward makes of its parameters: on each edge from a parameter
+    into its chain (the gather of an FSDP-sharded weight, made again by a unit that gathers
+    again) and on each edge from a chain value into the backward (made whether the unit keeps
+    or gathers again), with the parameter's FQN and whether the edge leaves the parameter."""
+    out = []
+    for node, fqn in chain.items():
+        for user in node.users:
+            ns = table.nodes.get(user)
+            from_param = node.op == "placeholder"
+            if ns is None or not (from_param or user not in tg.forward_nodes):
+                continue
+            for k, src in enumerate(ns.sources):
+                if src[0] is node:
+                    v = _source_value(src)
+                    term = MemoryTerm(user, 0, float(v.numel() * v.element_size()), "copy", arg=k)
+                    out.append((term, fqn, from_param))
+    return out
+
+
+def _stack_positions(block: str, where: str) -> tuple[int, int] | None:
+    """The positions of `block` and of moment `where`'s block in one stack (labels
+    `container#index`); None when they are not two blocks of one stack."""
+    (cb, _, ib), (cw, _, iw) = block.rpartition("#"), where.rpartition("#")
+    if cb != cw or not (ib.isdigit() and iw.isdigit()):
+        return None
+    return int(ib), int(iw)
+
+
+def _reduced_by(block: str | None, where: str | None) -> bool:
+    """Whether the gradients of `block`'s parameters are reduced (and so held in their
+    parameter's placement) at moment `where`: none at the boundary (the previous step's
+    were freed), those of the blocks the backward has finished before `where`'s block, all
+    of them in the rest of the backward (an upper bound: it runs both first and last).  A
+    unit outside every block reduces last; unknown orders count as reduced."""
+    if where is None:
+        return True
+    if where == BOUNDARY or block is None:
+        return False
+    pos = _stack_positions(block, where)
+    return pos is None or pos[0] > pos[1]
+
+
 def _alive_for(block: str | None, where: str | None) -> bool:
     """Whether values kept for `block`'s backward are alive at moment `where` (BOUNDARY, a
     block's backward, None: the rest of the backward): the backward runs the blocks of a
     stack last to first.  Unknown orders count as alive."""
     if where in (BOUNDARY, None) or block is None:
         return True
-    (cb, _, ib), (cw, _, iw) = block.rpartition("#"), where.rpartition("#")
-    if cb != cw or not (ib.isdigit() and iw.isdigit()):
-        return True
-    return int(iw) >= int(ib)
+    pos = _stack_positions(block, where)
+    return pos is None or pos[1] >= pos[0]
 
 
 def memory_rows(
@@ -256,6 +326,7 @@ def memory_rows(
     fixed, free = regather.fixed, regather.free
     decided = lambda n: chain[n] if chain.get(n) in free else None  # noqa: E731
     static = [RowEntry(t, tg.weight(t.node)) for t in param_terms(tg, optim_bytes_per_elem)]
+    grads = grad_terms(tg, table, chain)
     sims = {p: snapshots(tg, p, lambda n: chain.get(n) in fixed) for p in options}
     again = {}  # policy -> moment -> the replay with every decided unit gathering again
     if free:
@@ -277,11 +348,15 @@ def memory_rows(
             if b is not None and t is not None and decided(node) is None:
                 per[b].append(t)
         saved_by_block[p] = per
+    gathers = gather_terms(tg, table, chain)
     rows = []
     for p, snaps in sims.items():
         copies = copy_terms(tg, table, p, fixed)
         for snap in snaps:
             entries = list(static)
+            entries += [
+                RowEntry(t, tg.weight(t.node)) for t, b in grads if _reduced_by(b, snap.where)
+            ]
             alive: set[str] = set()
             for node, idx in snap.saved:
                 b, t = block_label(node), activation(node, idx)
@@ -315,6 +390,24 @@ def memory_rows(
                     entries.append(RowEntry(t, tg.weight(t.node)))
                 elif b in alive:
                     entries.append(RowEntry(t, block=b, policy=p))
+            if snap.where != BOUNDARY:
+                # the parameters a block's backward gathers (module docstring)
+                held = {e.term.key for e in entries if e.term.kind == "copy"}
+                for t, fqn, from_param in gathers:
+                    if t.block != snap.where or t.key in held:
+                        continue
+                    if not from_param:
+                        entries.append(RowEntry(t, saved=False))
+                    elif fqn in fixed or fqn in free:  # this unit's and the next one's
+                        param = fqn if fqn in free else None
+                        entry = RowEntry(
+                            t,
+                            1 if snap.where is None else 2,
+                            saved=False,
+                            param=param,
+                            regathered=param is not None,
+                        )
+                        entries.append(entry)
             if snap.where == BOUNDARY:
                 for out in tg.outputs:
                     t = activation(*resolve_source(out))
@@ -411,10 +504,11 @@ def plan_memory(
             b = t.full_bytes * entry_fraction(e, table, choice) * k
             if t.kind == "param":
                 v = t.node.meta["val"]
-                local = b / (2 * v.element_size() + optim_bytes_per_elem)
+                local = b / (v.element_size() + optim_bytes_per_elem)
                 parts["param_bytes_per_rank"] += local * v.element_size()
-                parts["grad_bytes_per_rank"] += local * v.element_size()
                 parts["optim_bytes_per_rank"] += local * optim_bytes_per_elem
+            elif t.kind == "grad":
+                parts["grad_bytes_per_rank"] += b
             elif e.saved:
                 parts["activation_bytes_per_rank"] += b
             else:
@@ -437,6 +531,10 @@ def plan_memory(
         )
     }
     out["saved_at_boundary_bytes_per_rank"] = boundary_saved
+    out["all_grad_bytes_per_rank"] = sum(
+        t.full_bytes * term_fraction(t, table, choice[t.node]) * tg.weight(t.node)
+        for t, _b in grad_terms(tg, table, param_chains(tg, table))
+    )
     out["peak_bytes_per_rank"] = total
     out["peak_where"] = (
         "forward/backward boundary"

@@ -6,8 +6,10 @@ Everything is in microseconds.  All constants live in dataclasses a user can ove
   Compute time of an op is a roofline, `max(flops / peak, bytes / bandwidth)` on the *local*
   (per-rank) shapes, plus the launch floor.  View ops cost nothing.
 * `LinkSpec`: alpha-beta link (latency in us, bandwidth in GB/s) for one mesh dimension.
-* `CostModel`: a device and one link per mesh dim (by default derived from `gpus_per_node`:
-  inner mesh dims that fit in a node use the intra-node link, others the inter-node link).
+* `CostModel`: a device and one link per mesh dim (by default derived from `gpus_per_node`,
+  the ranks of one node: ranks are numbered node after node and the last mesh dim varies
+  fastest, so a dim whose groups fall inside one node uses the intra-node link, any other
+  the inter-node link).
 
 Collectives (n ranks, B bytes moving per rank): all-gather and reduce-scatter
 `alpha + (n-1)/n * B_full / bw`, all-reduce twice that, all-to-all `alpha + (n-1)/n * B / bw`.
@@ -109,11 +111,26 @@ class CostModel:
             return list(self.links)
         intra = self.intra or LINKS["h100"][0]
         inter = self.inter or LINKS["h100"][1]
+        return [intra if within else inter for within in self.within_node(mesh_shape)]
+
+    def within_node(self, mesh_shape: Sequence[int]) -> list[bool]:
+        """Per mesh dim: whether each of its groups lies inside one node.  A group of dim d
+        is `n` ranks `stride = prod(later dims)` apart, spanning a block of `stride * n`
+        consecutive ranks; it stays in a node when such blocks tile the node."""
         out = []
         for d, n in enumerate(mesh_shape):
-            inner = math.prod(mesh_shape[d + 1 :])
-            out.append(intra if inner * n <= self.gpus_per_node else inter)
+            block = math.prod(mesh_shape[d + 1 :]) * n
+            out.append(n == 1 or self.gpus_per_node % block == 0)
         return out
+
+    def node_layout(self, mesh_shape: Sequence[int], names: Sequence[str]) -> str:
+        """e.g. "nodes of 8 ranks: dp inter-node, tp intra-node" (dims of size 1 left out)."""
+        dims = [
+            f"{name} {'intra' if within else 'inter'}-node"
+            for name, n, within in zip(names, mesh_shape, self.within_node(mesh_shape))
+            if n > 1
+        ]
+        return f"nodes of {self.gpus_per_node} ranks: " + (", ".join(dims) or "one rank")
 
     def with_links(self, links: Sequence[LinkSpec]) -> CostModel:
         return replace(self, links=list(links))

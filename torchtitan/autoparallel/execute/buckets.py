@@ -20,7 +20,9 @@ Schedule (the graph's node order is the eager execution order; the waits of func
 collectives are where a rank blocks):
 * a unit's parameter gathers are issued right after the first op that consumes the previous
   unit's gathered parameters (one unit ahead, so they overlap that unit's compute), and waited
-  for just before their own first consumer;
+  for just before their own first consumer; when the units between keep their gathered
+  parameters (regather.py) there is no gather to overlap, and holding this one's across them
+  would cost their memory: it is issued just before its first consumer;
 * a unit's gradient reductions are issued as soon as its last gradient is computed (a later
   level as soon as the earlier one is done; also a reduction no other one merges with, which
   the lowering emits after the whole backward) and the last level is waited for right after
@@ -96,6 +98,16 @@ def one_source(n: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if all(a.target is operator.getitem for a in ins) and len({a.args[0] for a in ins}) == 1:
         return arg_node(ins[0]), [n, *ins]
     return None
+
+
+def consecutive_units(a: str, b: str, units: list[str]) -> bool:
+    """Whether units `a` and `b` (`units`: the stack's, in model order; "" the root) run one
+    after the other: adjacent in the stack, or the root (embedding, head) and either end."""
+    pos = {u: i for i, u in enumerate(units)}
+    if "" in (a, b):
+        other = b if a == "" else a
+        return other == "" or pos.get(other) in (0, len(units) - 1)
+    return a in pos and b in pos and abs(pos[a] - pos[b]) == 1
 
 
 def _single_wait(c: fx.Node) -> fx.Node | None:
@@ -205,7 +217,14 @@ class _GraphBuckets:
         anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
         reduction_waits: list[fx.Node] = []  # waits of a chain's last reduction
         order = sorted(unit_first, key=unit_first.__getitem__)
-        issue_at = {u: (unit_first[order[i - 1]] + 0.5 if i else -1.0) for i, u in enumerate(order)}
+        issue_at = {}
+        for i, u in enumerate(order):
+            if i == 0:
+                issue_at[u] = -1.0
+            elif consecutive_units(order[i - 1], u, self.units):  # one unit ahead
+                issue_at[u] = unit_first[order[i - 1]] + 0.5
+            else:  # the units between keep their parameters: no gather to overlap
+                issue_at[u] = unit_first[u] - 0.5
         # merge in chain order: a later level's inputs are an earlier level's outputs
         for (unit, level, last, target, _args, _dt), members in sorted(
             groups.items(), key=lambda kv: kv[0][1]

@@ -27,7 +27,7 @@ from typing import Any
 import highspy
 import torch.fx as fx
 
-from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, term_fraction
+from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, param_chains, term_fraction
 from ..errors import ConstraintError
 from ..graph import placements as P
 from ..graph.edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
@@ -103,6 +103,10 @@ class PlacementProgram:
         self.m = Milp()
         self.pside = prices.param_side_nodes()
         self.gside = prices.grad_side_nodes()
+        # chain values of the units the solver decides to keep or gather again (below)
+        self.decided_chains = {
+            n for n, fqn in param_chains(self.tg, self.table).items() if fqn in regather.free
+        }
         self.eta = self.est.cm.overlap_efficiency
         self.xvars: dict[fx.Node, list[int]] = {}
         self.edge_vars: list[tuple[list[EdgeKey], int, float]] = []  # (members, y, cost each)
@@ -176,8 +180,17 @@ class PlacementProgram:
         frozen = any(k in self.prices.no_comm_edges for k in members)
         count = sum(self.member_weight(k) for k in members)
         first = members[0]
+        # a parameter's gathers overlap compute (bucketed and issued a unit ahead), except
+        # one from a kept chain value into the backward, where the executor sees an
+        # activation: priced so for the units the solver decides, lest it keep a sharded
+        # copy and gather that in the backward to dodge the gather-again memory rows
+        exposed = (
+            isinstance(first, ConsumerEdge)
+            and first.node not in self.tg.forward_nodes
+            and src[0] in self.decided_chains
+        )
         overlappable = self.eta > 0 and (
-            src[0] in self.pside
+            (src[0] in self.pside and not exposed)
             or isinstance(first, GradEdge)
             or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
         )
@@ -354,7 +367,10 @@ class PlacementProgram:
                     if t.key in copies:
                         continue
                     copies.add(t.key)
-                    mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
+                    if e.block is None:
+                        mult = e.weight
+                    else:
+                        mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
                     if mult:
                         self._copy_terms(t, mult / scale, terms)
                     continue

@@ -20,7 +20,6 @@ from __future__ import annotations
 from torch import nn
 
 from torchtitan.autoparallel.api import on_rank0
-from torchtitan.autoparallel.cost.model import resolve_cost_model
 from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,
@@ -40,7 +39,7 @@ from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
     SearchedPlan,
     add_job_constraints,
-    cost_model_name,
+    job_cost_model,
     plan_cache_folder,
     planner_for_job,
     planner_settings,
@@ -131,7 +130,7 @@ def choose_mesh(
     `parallelize_auto`); call on every rank (each traces, rank 0 searches, the others
     receive its answer)."""
     parallelism = job_config.parallelism
-    cost_model = resolve_cost_model(cost_model_name(planner_settings(job_config).cost_model))
+    cost_model = job_cost_model(planner_settings(job_config).cost_model)
     keep, skipped = candidate_degrees(
         parallelism,
         world_size,
