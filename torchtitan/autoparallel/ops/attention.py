@@ -7,8 +7,8 @@ heads on another, that flattened dim is a `_StridedShard` the strategies drop, s
 backward.
 
 While tracing, `route_attention()` sends every SDPA call without dropout or grouped heads —
-with or without a mask (a boolean one becomes additive, as SDPA makes it; transformers' decoders
-pass one while traced) — to `torch.ops.titan.sdpa` (forward) and
+with or without a mask that needs no gradient (a boolean one becomes additive, as SDPA makes
+it; transformers' decoders pass one while traced) — to `torch.ops.titan.sdpa` (forward) and
 `torch.ops.titan.sdpa_backward`, so the joint graph holds attention as two nodes.  Their
 sharding rules (registered with DTensor, so the same rules serve planning and execution) split
 batch or heads on any mesh dim; the backward recomputes the forward from q, k, v (saved
@@ -230,10 +230,14 @@ def _routable(a: dict) -> bool:
 
 
 def _routable_mask(mask, q: Tensor, k: Tensor) -> bool:
-    """A bool or q-dtype mask over [[batch or 1,] [heads or 1,] q_seq, k_seq]."""
+    """A bool or q-dtype mask over [[batch or 1,] [heads or 1,] q_seq, k_seq] that needs no
+    gradient (`titan.sdpa` gives none: a learned bias, T5's relative positions, keeps the
+    MATH decomposition, whose gradient reaches it)."""
     if not (
         isinstance(mask, Tensor) and 2 <= mask.ndim <= 4 and mask.dtype in (torch.bool, q.dtype)
     ):
+        return False
+    if mask.requires_grad and torch.is_grad_enabled():
         return False
     shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
     return (

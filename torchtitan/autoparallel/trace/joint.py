@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from torchtitan.torch_private import (
 from ..errors import PlannerError
 from ..ops.attention import route_attention
 from . import repeat
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -179,6 +182,7 @@ def trace_joint(
     needs_grad = [n for n, p in model.named_parameters() if p.requires_grad]
     if needs_grad and all(g is None for g in roles.grads.values()):
         raise PlannerError("traced graph has no backward: no parameter received a gradient")
+    _warn_frozen(roles, set(needs_grad))
 
     tg = TracedGraph(
         gm=gm,
@@ -321,6 +325,23 @@ def _data_dependent_message(e: Exception) -> str:
         "branch on tensor values; make the control flow independent of the data "
         "(or guard it with torch.compiler.is_compiling())"
     )
+
+
+def _warn_frozen(roles: Any, needs_grad: set[str]) -> None:
+    """Warn about parameters that take part in the forward but get no gradient in the traced
+    graph: they will not train (eager may differ: a gradient lost in tracing is a bug)."""
+    frozen = sorted(
+        fqn
+        for fqn, node in roles.params.items()
+        if fqn in needs_grad and roles.grads.get(fqn) is None and node.users
+    )
+    if frozen:
+        log.warning(
+            "%d parameter(s) used in the forward receive no gradient in the traced graph and "
+            "will not train: %s",
+            len(frozen),
+            ", ".join(frozen),
+        )
 
 
 def _merge_tied(graph: fx.Graph, params: dict, grads: dict, model: nn.Module) -> None:

@@ -12,7 +12,6 @@ the class's own (`_init_weights` per module, then weight tying).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,15 @@ def config_file(path: str) -> Path:
     return p
 
 
+def _root_cause(e: BaseException) -> str:
+    """The first line of the innermost cause: transformers' config validation wraps the
+    actual complaint ("The hidden size (256) is not a multiple of ...") in its own error."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 @dataclass
 class HFModelArgs(BaseModelArgs):
     """A Hugging Face config, read from `config_path` by `update_from_config`."""
@@ -66,9 +74,8 @@ class HFModelArgs(BaseModelArgs):
             config = transformers.AutoConfig.from_pretrained(
                 str(path.parent), local_files_only=True
             )
-        except (ValueError, OSError, json.JSONDecodeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserInputError(f"--model.flavor: cannot read {path}: {first}") from None
+        except Exception as e:  # noqa: BLE001 - transformers validates with its own errors
+            raise UserInputError(f"--model.flavor: cannot read {path}: {_root_cause(e)}") from None
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
