@@ -416,16 +416,37 @@ def test_check_missing_path(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
-def test_reloop_is_warned_once(tmp_path, tokenizer, caplog):
-    path = _lines_file(tmp_path, "d.jsonl", json.dumps({"text": "tiny"}))
+def test_reloop_is_warned_once_naming_the_file(tmp_path, tokenizer, caplog):
+    text = " ".join(f"word{i}" for i in range(40))  # more than one batch of 5 tokens
+    path = _lines_file(tmp_path, "d.jsonl", json.dumps({"text": text}))
     dataset = HuggingFaceDataset("titan_corpus", str(path), tokenizer, seq_len=4, infinite=True)
     with caplog.at_level(logging.DEBUG, logger="torchtitan.datasets.packing"):
-        list(itertools.islice(iter(dataset), 20))
-    warnings = [
-        r for r in caplog.records if r.levelno == logging.WARNING and "re-loop" in r.message
-    ]
-    assert len(warnings) == 1 and dataset.reloops > 3
+        list(itertools.islice(iter(dataset), 200))
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and dataset.reloops > 3, warnings
+    assert warnings[0].startswith(f"Dataset titan_corpus ({path}) is being re-looped after ")
     assert f"re-looped {dataset.reloops} times" in caplog.records[-1].message
+
+
+def test_data_smaller_than_one_global_batch_is_named(tmp_path, tokenizer, caplog):
+    path = _lines_file(tmp_path, "d.jsonl", json.dumps({"text": "tiny"}))
+    dataset = HuggingFaceDataset(
+        "titan_corpus",
+        str(path),
+        tokenizer,
+        seq_len=4,
+        infinite=True,
+        local_batch_size=2,
+        dp_world_size=2,
+    )
+    tokens = len(tokenizer.encode("tiny"))
+    with caplog.at_level(logging.WARNING, logger="torchtitan.datasets.packing"):
+        next(iter(dataset))
+    (warning,) = [r.message for r in caplog.records]
+    assert warning.startswith(
+        f"Dataset titan_corpus ({path}) holds {tokens} tokens, less than one global batch "
+        "(20 tokens): every batch trains on repeats of it"
+    ), warning
 
 
 def _online(monkeypatch, endpoint: str):

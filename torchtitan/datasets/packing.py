@@ -102,11 +102,13 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         first_pass = True
         while True:
             yield from self._drain()  # a restored buffer may already hold full windows
-            documents_read = 0
+            documents_read = tokens_read = 0
             for sample in self._documents():
-                self._token_buffer.extend(self._tokenizer.encode(self._text_processor(sample)))
+                tokens = self._tokenizer.encode(self._text_processor(sample))
+                self._token_buffer.extend(tokens)
                 self._sample_idx += 1
                 documents_read += 1
+                tokens_read += len(tokens)
                 yield from self._drain()
             if not self.infinite:
                 logger.info("Dataset %s is exhausted", self.dataset_name)
@@ -119,15 +121,32 @@ class HuggingFaceDataset(IterableDataset, Stateful):
             first_pass = False
             self._epoch += 1
             self._sample_idx = 0
-            self._log_reloop()
+            self._log_reloop(tokens_read)
 
-    def _log_reloop(self) -> None:
-        """A warning at the first re-loop; later ones go to debug level, with their count."""
+    def _log_reloop(self, tokens_read: int) -> None:
+        """A warning at the first re-loop, naming the data and saying when one pass over it
+        is less than one global batch (every batch then repeats it); later re-loops go to
+        debug level, with their count."""
         self.reloops += 1
         if self.reloops == 1:
+            batch_tokens = self._local_batch_size * self._dp_world_size * (self.seq_len + 1)
+            if tokens_read and tokens_read < batch_tokens:
+                logger.warning(
+                    "Dataset %s (%s) holds %d tokens, less than one global batch (%d tokens): "
+                    "every batch trains on repeats of it; use more data or a smaller "
+                    "--training.local_batch_size or --training.seq_len",
+                    self.dataset_name,
+                    self._path,
+                    tokens_read,
+                    batch_tokens,
+                )
+                return
             logger.warning(
-                "Dataset %s is being re-looped (later re-loops are logged at debug level)",
+                "Dataset %s (%s) is being re-looped after %d tokens (later re-loops are "
+                "logged at debug level)",
                 self.dataset_name,
+                self._path,
+                tokens_read,
             )
         else:
             logger.debug("Dataset %s re-looped %d times", self.dataset_name, self.reloops)
