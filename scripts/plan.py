@@ -3,6 +3,7 @@
     python scripts/plan.py --flavor 8B --mesh 8,8 --mesh-names dp,tp --device h100 \
         --batch 8 --seq-len 2048 [--mixed-precision bf16] [--memory-gib 80] [--out-dir plan_out]
     python scripts/plan.py --flavor 8B --world 64 --mesh auto ...   # choose the mesh too
+    python scripts/plan.py --flavor 70B --mesh auto --nodes 8 --gpus-per-node 8  # node shape
 
 The model is built on meta and traced under a fake process group (nothing is allocated).
 Prints the stage timings as they finish, the plan per parameter group (repeated layers
@@ -28,6 +29,12 @@ same search.
 `--diff A.json B.json` plans nothing: it prints two saved plans side by side (meshes, the
 predicted step, compute, communication and peak memory, and every parameter pattern whose
 placements differ), e.g. two meshes, two precisions, or a plan before and after an edit.
+
+`--gpus-per-node` (default 8) is the node size: a mesh dim whose groups stay inside one node
+(ranks are numbered node after node, the last mesh dim fastest) is priced with the device's
+intra-node link, any other with its inter-node link; the mesh search keeps tp inside a node.
+`--nodes N` sets the world to N x gpus-per-node.  The trainer takes the node size from the
+launch (torchrun's LOCAL_WORLD_SIZE).
 
 Bad input prints one `error: ...` line and exits with status 2.
 """
@@ -68,6 +75,20 @@ def parse_args(argv=None):
     ap.add_argument("--world", type=int, default=None, help="world size (with --mesh auto)")
     ap.add_argument("--mesh-names", default=None, help="comma-separated names (default dp,tp)")
     ap.add_argument("--device", default="h100", help="cost profile: " + "|".join(DEVICES))
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node: a mesh dim whose groups stay inside a node is priced with the "
+        "device's intra-node link, any other with its inter-node link",
+    )
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes in the job: the world is nodes x gpus-per-node (checked against --mesh, "
+        "or the --world of --mesh auto)",
+    )
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: dp size)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=None, help="override n_layers (faster tracing)")
@@ -145,6 +166,19 @@ def validate(a):
         raise BadInput(f"--memory-gib must be positive, got {a.memory_gib}")
     if a.param_fraction is not None and not (0 < a.param_fraction <= 1):
         raise BadInput(f"--param-fraction must be in (0, 1], got {a.param_fraction}")
+    if a.gpus_per_node <= 0:
+        raise BadInput(f"--gpus-per-node must be positive, got {a.gpus_per_node}")
+    if a.nodes is not None:
+        if a.nodes <= 0:
+            raise BadInput(f"--nodes must be positive, got {a.nodes}")
+        nodes_world = a.nodes * a.gpus_per_node
+        if a.mesh == "auto" and a.world is None:
+            a.world = nodes_world
+        elif a.mesh == "auto" and a.world != nodes_world:
+            raise BadInput(
+                f"--world {a.world} is not --nodes {a.nodes} x --gpus-per-node "
+                f"{a.gpus_per_node} = {nodes_world}; give one or the other"
+            )
     if a.mesh == "auto":
         if a.world is None or a.world <= 0:
             raise BadInput("--mesh auto needs --world N (a positive number of ranks)")
@@ -159,6 +193,11 @@ def validate(a):
         raise BadInput(f"--mesh must be comma-separated integers or auto, got '{a.mesh}'") from None
     if not shape or any(s <= 0 for s in shape):
         raise BadInput(f"--mesh sizes must be positive, got {a.mesh}")
+    if a.nodes is not None and math.prod(shape) != a.nodes * a.gpus_per_node:
+        raise BadInput(
+            f"--mesh {a.mesh} has {math.prod(shape)} ranks, but --nodes {a.nodes} x "
+            f"--gpus-per-node {a.gpus_per_node} = {a.nodes * a.gpus_per_node}"
+        )
     if a.mesh_names is None:
         names = (
             ("dp", "tp")[: len(shape)]
@@ -176,15 +215,21 @@ def validate(a):
     return shape, names
 
 
+def cost_model_for(a):
+    """The device profile with the job's node size."""
+    from torchtitan.autoparallel.cost.model import CostModel
+
+    return CostModel.for_device(a.device, gpus_per_node=a.gpus_per_node)
+
+
 def mesh_candidates(world: int, args, batch: int, a):
     """(dp, tp) meshes of `world` for `--mesh auto`, and [(label, why not)] for the rest:
     the trainer's rules (mesh_choice.candidate_degrees) on this script's dim names."""
-    from torchtitan.autoparallel.cost.model import CostModel
     from torchtitan.autoparallel.mesh_search import MeshCandidate
     from torchtitan.config.job_config import Parallelism
     from torchtitan.experiments.auto_parallel.mesh_choice import candidate_degrees
 
-    cost_model = CostModel.for_device(a.device)
+    cost_model = cost_model_for(a)
     keep, skipped = candidate_degrees(
         Parallelism(tensor_parallel_degree="auto", disable_loss_parallel=True),
         world,
@@ -280,7 +325,7 @@ def run(a) -> int:
         lambda: torch.randint(0, vocab, (batch, a.seq_len)),
         planning_mesh("cpu", shape, names),
         mp_policy=mp_policy,
-        cost_model=a.device.lower(),
+        cost_model=cost_model_for(a),
         solver_time_limit=a.time_limit,
         solver_proof_limit=a.proof_limit,
     ) as root:
@@ -303,7 +348,7 @@ def run(a) -> int:
         autop.timings["trace"] = root.timings["trace"]
         _progress(
             f"  trace {autop.timings['trace']:.2f}s ({len(autop.tg.gm.graph.nodes)} nodes); "
-            "strategies ..."
+            f"{autop.cost_model.node_layout(shape, names)}; strategies ..."
         )
         autop.prepare()
         _progress(

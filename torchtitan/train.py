@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import sys
 from typing import Any, cast
 
@@ -23,7 +24,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.divergence import check_finite
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.preemption import Preemption
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.config.job_config import Comm
 from torchtitan.config.resolve import resolve, resolve_model_args, search_mesh
@@ -133,6 +136,7 @@ class Trainer:
             states={"train_state": self},
             job_config=job_config,
         )
+        self.preemption = Preemption(job_config.checkpoint.enable, self.device)
         self.gc_freq = training.gc_freq
         gc.disable()  # collected every gc_freq steps on all ranks at once, no stragglers
         logger.info(
@@ -192,15 +196,33 @@ class Trainer:
         grad_norm = dist_utils.clip_grad_norm_(
             self.model.parameters(), self.job_config.training.max_norm
         )
-        self.optimizers.step()
-        self.lr_schedulers.step()
         avg = dist_utils.dist_reduce(step_loss, "avg", self.dp_mesh)
         mx = dist_utils.dist_reduce(step_loss, "max", self.dp_mesh)
+        check_finite(
+            self.step,
+            avg,
+            float(grad_norm),
+            self.checkpointer.newest,
+            self.checkpointer.enable,
+        )
+        self.optimizers.step()
+        self.lr_schedulers.step()
         return avg, mx, float(grad_norm)
 
     def train(self) -> None:
         cfg = self.job_config
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart:
+            logger.warning(
+                f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after "
+                "a failure: resuming from the newest intact checkpoint"
+            )
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if self.step >= cfg.training.steps:
+            logger.warning(
+                f"nothing to do: resumed at step {self.step} and --training.steps is "
+                f"{cfg.training.steps}; raise --training.steps to train further"
+            )
         data_iter = self.batches()
         while self.step < cfg.training.steps:
             self.step += 1
@@ -220,7 +242,15 @@ class Trainer:
                 or self.step == cfg.training.steps
             ):
                 self.metrics.log(self.step, loss, max_loss, grad_norm, lr)
-            self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+            preempted = self.preemption.agreed()
+            last = self.step == cfg.training.steps
+            self.checkpointer.save(self.step, last_step=last, force=preempted)
+            if preempted:
+                logger.warning(
+                    f"preempted (SIGTERM): stopped after step {self.step} with a checkpoint; "
+                    "the next launch resumes from it"
+                )
+                break
             if self.step == cfg.training.stop_at_step:
                 logger.info(f"stopping after step {self.step} (--training.stop_at_step)")
                 break
@@ -253,12 +283,17 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     job_config = main_parse(argv)
     rank = int(os.environ.get("RANK", "0"))
+    _die_with_launcher()
+    if (folder := rank_errors.error_dir()) is not None:
+        rank_errors.clear_own_report(folder, rank)  # from an attempt before a restart
     try:
         trainer = Trainer(job_config)
         trainer.train()
         trainer.close()
         if summary := repeated_warnings_summary():
             logger.warning(summary)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so in one line
+        _exit(128 + signal.SIGINT)
     except Exception as e:
         folder = rank_errors.error_dir()
         if folder is not None:  # the launcher prints one line for the whole job
@@ -272,6 +307,22 @@ def main(argv: list[str] | None = None) -> None:
     # gloo ranks can abort in teardown after all work is done; leave in lockstep, flushed.
     dist.barrier()
     _exit(0)
+
+
+def _die_with_launcher() -> None:
+    """Under the launcher, end this rank when the launcher dies (even by SIGKILL), rather
+    than train on unsupervised: torchrun starts ranks in their own session, so nothing
+    else reaches them.  Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    if rank_errors.error_dir() is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:  # it died before the request took effect
+        _exit(1)
 
 
 def _exit(code: int) -> None:

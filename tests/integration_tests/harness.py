@@ -10,6 +10,11 @@ real failure and is reported with the tail of the output.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from torchtitan.tools import loss_compare
@@ -46,3 +51,146 @@ def run_training(
         inductor_cache=inductor_cache,
         config_file=config_file,
     )
+
+
+# ---- the launcher (`python -m torchtitan.launch`, what run_train.sh runs) ----------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    """Whether a socket on this machine listens on TCP `port` (Linux: /proc/net/tcp*)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        # local address "ADDR:PORT" in hex; state 0A is LISTEN
+        if any(int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A" for row in rows):
+            return True
+    return False
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONPATH=str(REPO / "tests" / "assets" / "custom_specs"),
+    )
+    env.pop("TORCHTITAN_ERROR_DIR", None)
+    env.update(extra)
+    return env
+
+
+def launcher_cmd(dump: Path, nproc: int, node_args: list[str], args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torchtitan.launch",
+        "--nproc",
+        str(nproc),
+        *node_args,
+        "--config-file",
+        str(DEBUG_TOML),
+        "--",
+        "--job.dump_folder",
+        str(dump),
+        *args,
+    ]
+
+
+def run_launcher(
+    dump: Path,
+    nproc: int,
+    node_args: list[str],
+    args: list[str],
+    timeout: int = 600,
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """`launcher_cmd` run to its end from the repository, output captured."""
+    return subprocess.run(
+        launcher_cmd(dump, nproc, node_args, args),
+        cwd=REPO,
+        env=launcher_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def node_args(nnodes: int, node_rank: int, port: int, *extra: str) -> list[str]:
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *extra,
+    ]
+
+
+def launch_nodes(
+    dump: Path, args: list[str], nnodes: int = 2, nproc: int = 2, timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
+    """Start `nnodes` launchers of `nproc` ranks sharing `dump`; wait for all of them."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            launcher_cmd(dump, nproc, node_args(nnodes, r, port), args),
+            cwd=REPO,
+            env=launcher_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(nnodes)
+    ]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return done
+
+
+def launch_one(dump: Path, args: list[str], nproc: int = 4) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launcher_cmd(dump, nproc, [], args),
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rank_output(dump: Path) -> str:
+    return "".join(p.read_text() for p in (dump / "logs").rglob("stderr.log"))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

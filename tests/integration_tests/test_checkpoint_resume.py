@@ -17,11 +17,13 @@ from pathlib import Path
 import crash_during_save
 import pytest
 import torch
-from harness import assert_losses_close, run_training
+from harness import FAST_ARGS, assert_losses_close, launch_nodes, run_training
 
 from torchtitan.components.checkpoint import SafeReader
+from torchtitan.tools.loss_compare import read_tb_losses
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
+PLANNED = ["--model.name", "llama3_auto_parallel"]
 GLOBAL_BATCH = 4
 
 
@@ -68,8 +70,11 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-5"]
 
     # The restart resumes at step 6 and reproduces the uninterrupted run exactly; then
-    # rank 1 is SIGKILLed in the middle of writing step 10 (see crash_during_save.py).
-    killed = crash_during_save.run_training(10, 2, CKPT + batch_args(2), tmp_path)
+    # rank 1 is SIGKILLed in the middle of writing step 10 (see crash_during_save.py), a
+    # save in the background while the job goes on to its end.
+    killed = crash_during_save.run_training(
+        10, 2, CKPT + batch_args(2) + ["--checkpoint.async_mode", "async"], tmp_path
+    )
     assert killed.returncode != 0, killed.output[-3000:]
     assert "loaded checkpoint step-5" in killed.output
     assert killed.losses() == expected  # steps 6-10 of the resumed job are bitwise equal
@@ -77,11 +82,8 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
     partial = [name for name in leftovers if name.startswith("step-10.tmp-")]
     assert "step-10" not in leftovers and len(partial) == 1, leftovers
 
-    # The next job reports the half-written checkpoint, resumes from step 5 and finishes
-    # (saving step 10 asynchronously: close() must wait for it).
-    again = run_training(
-        2, CKPT + batch_args(2) + ["--checkpoint.async_mode", "async"], tmp_path
-    ).check()
+    # The next job reports the half-written checkpoint, resumes from step 5 and finishes.
+    again = run_training(2, CKPT + batch_args(2), tmp_path).check()
     assert re.search(rf"incomplete checkpoint \S*{re.escape(partial[0])}", again.output), (
         again.output[-3000:]
     )
@@ -91,10 +93,12 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-5"]
 
 
-def _resume(source: Path, nproc: int, dump: Path, extra: tuple[str, ...] = ()) -> dict[int, float]:
+def _resume(
+    source: Path, nproc: int, dump: Path, extra: tuple[str, ...] = (), tp: int = 1
+) -> dict[int, float]:
     (dump / "checkpoint").mkdir(parents=True)
     shutil.copytree(source, dump / "checkpoint" / "step-5")
-    run = run_training(nproc, CKPT + batch_args(nproc) + list(extra), dump).check()
+    run = run_training(nproc, CKPT + batch_args(nproc, tp) + list(extra), dump).check()
     assert "loaded checkpoint step-5" in run.output
     return run.losses()
 
@@ -157,3 +161,42 @@ def test_bad_initial_load_path_is_one_line_error(tmp_path):
         run.output[-3000:]
     )
     assert "torchtitan/components/checkpoint/" not in run.output  # no traceback from us
+
+
+@pytest.fixture(scope="module")
+def two_node_checkpoint(reference, tmp_path_factory) -> Path:
+    """Steps 1-5 of hand-written dp4 on two "nodes" of 2 ranks (two launchers meeting at a
+    c10d rendezvous on 127.0.0.1); their losses match the dp2 reference."""
+    dump = tmp_path_factory.mktemp("two_nodes")
+    args = FAST_ARGS + CKPT + batch_args(4) + ["--training.stop_at_step", "5"]
+    for proc in launch_nodes(dump, args):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_losses_close(
+        read_tb_losses(dump / "tb"), steps(reference_losses(reference), 1, 5), rtol=1e-5
+    )
+    return dump / "checkpoint" / "step-5"
+
+
+def test_a_two_node_dp4_checkpoint_continues_on_one_node_of_2(
+    reference, two_node_checkpoint, tmp_path
+):
+    losses = _resume(two_node_checkpoint, 2, tmp_path)
+    assert_losses_close(losses, steps(reference_losses(reference), 6, 10), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def planned_tp4_checkpoint(reference, tmp_path_factory) -> Path:
+    """Steps 1-5 of the planner's plan on tp4 (4 ranks)."""
+    dump = tmp_path_factory.mktemp("planned_tp4")
+    args = CKPT + batch_args(4, tp=4) + [*PLANNED, "--training.stop_at_step", "5"]
+    run = run_training(4, args, dump).check()
+    assert_losses_close(run.losses(), steps(reference_losses(reference), 1, 5), rtol=1e-4)
+    return dump / "checkpoint" / "step-5"
+
+
+@pytest.mark.parametrize("spec", [PLANNED, []], ids=["planned_dp2", "hand_written_dp2"])
+def test_a_planned_tp4_checkpoint_continues_on_2_ranks(
+    spec, reference, planned_tp4_checkpoint, tmp_path
+):
+    losses = _resume(planned_tp4_checkpoint, 2, tmp_path, tuple(spec))
+    assert_losses_close(losses, steps(reference_losses(reference), 6, 10), rtol=1e-4)

@@ -104,6 +104,27 @@ def test_a_rank_failure_is_one_line_from_that_rank(spec, line, tmp_path):
     assert "failed (exitcode: 2) local_rank: " in (logs / "launcher.log").read_text()
 
 
+def test_an_unexpected_failure_in_preflight_is_one_line_with_its_traceback_kept(tmp_path):
+    proc = _launch(
+        tmp_path,
+        "--experimental.custom_import",
+        "failing_specs",
+        "--model.name",
+        "tokenizer_bug",
+    )
+    assert proc.returncode == 2
+    (line,) = _error_lines(proc)
+    match = re.fullmatch(
+        r"error: preflight failed: RuntimeError: tokenizer bug \(traceback: (\S+)\)", line
+    )
+    assert match, line
+    assert "Traceback" not in proc.stdout + proc.stderr
+    kept = Path(match.group(1))
+    assert kept.read_text().rstrip().endswith("RuntimeError: tokenizer bug")
+    kept.unlink()
+    assert not (tmp_path / "logs").exists()  # nothing written before the ranks would start
+
+
 def _rank_pid(launcher: int, rank: int) -> int | None:
     for pid in child_pids(launcher):
         try:
@@ -212,3 +233,24 @@ def test_planner_settings_come_from_the_autoparallel_section(tmp_path):
         r"0\.0\d+ GiB per rank\)",
         line,
     ), line
+
+
+def test_relative_paths_mean_the_directory_run_train_sh_is_run_from(tmp_path):
+    data = tmp_path / "data" / "docs.jsonl"
+    data.parent.mkdir()
+    data.write_text(
+        "\n".join(json.dumps({"text": f"document {i} " + "word " * 300}) for i in range(8))
+    )
+    proc = subprocess.run(
+        [str(REPO / "run_train.sh"), *FAST, "--training.steps", "1"]
+        + ["--job.dump_folder", "out", "--training.dataset_path", "data/docs.jsonl"],
+        cwd=tmp_path,
+        env=_env(NGPU="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "logs" / "launcher.log").is_file()
+    assert not (REPO / "out").exists()
+    assert f"from {data}" in proc.stdout + proc.stderr  # "Preparing dataset ... from <path>"

@@ -3,12 +3,13 @@
 Every run sees the same global batch (4 sequences of 64 tokens) as a 1-rank `deepseek_v3`
 run, so each must reproduce its losses within rtol 1e-4.  The planner's run with the
 experts split over 2 ranks also checkpoints at step 5; stopped there and restarted it must
-reproduce steps 6-10 bitwise.
+reproduce steps 6-10 bitwise, and resumed on 2 ranks (resharded) within rtol 1e-4.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from harness import REPO, run_training
@@ -74,3 +75,16 @@ def test_auto_moe_with_expert_parallelism_matches_1rank_and_resumes_bitwise(refe
     assert "loaded checkpoint step-5" in resumed.output
     again = resumed.losses()
     assert {s: again[s] for s in range(6, 11)} == {s: losses[s] for s in range(6, 11)}
+    # the experts' checkpoint from 4 ranks (dp_shard 4, experts on ep 2) continues on 2
+    # (dp_shard 2, ep 2): the expert weights are resharded along with everything else
+    two = tmp_path / "two_ranks"
+    (two / "checkpoint").mkdir(parents=True)
+    shutil.copytree(folder / "checkpoint" / "step-5", two / "checkpoint" / "step-5")
+    moved = run_training(2, [*AUTO, *_batch(2), *_ep(2), *CKPT], two, config_file=MOE_TOML)
+    assert "loaded checkpoint step-5" in moved.check().output
+    assert_losses_close(
+        moved.losses(),
+        {s: reference[s] for s in range(6, 11)},
+        rtol=1e-4,
+        what="deepseek_v3_auto_parallel resumed from 4 ranks on 2",
+    )

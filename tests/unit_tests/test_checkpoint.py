@@ -19,10 +19,13 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan.components.checkpoint import (
+    MANIFEST,
     CheckpointManager,
     SafeLoadPlanner,
     SafeReader,
+    build_manifest,
     verify_checkpoint,
+    write_manifest,
 )
 from torchtitan.components.checkpoint import manager as ckpt  # where the manager finds names
 from torchtitan.components.lr_scheduler import build_lr_schedulers, lr_factor
@@ -326,21 +329,46 @@ def test_flipped_weight_bytes_would_load_silently_without_checksums(tmp_path, mo
     folder = saved_5_and_10(tmp_path)
     _, model, _, _ = manager(tmp_path)  # the same initial weights as the saved ones
     flip_weight_bytes(folder / "__0_0.distcp")
-    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda path, strict=False: None)
+    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda path, strict=False, share=(0, 1): None)
     m2, model2, _, train2 = manager(tmp_path, seed=1)
     assert m2.load() and train2.value == 10  # no error at all
     assert not torch.equal(model2.weight, model.weight)  # but the weights are not the saved ones
 
 
-def test_no_intact_checkpoint_starts_without_one(tmp_path, caplog):
+def test_no_intact_checkpoint_is_an_error_and_the_folders_stay(tmp_path):
     folder = saved_5_and_10(tmp_path)
     for step in (5, 10):
         flip_bytes(folder.parent / f"step-{step}" / "__0_0.distcp")
     m2, _, _, train2 = manager(tmp_path)
-    with caplog.at_level("WARNING", logger=ckpt.logger.name):
-        assert not m2.load()
+    with pytest.raises(UserInputError) as info:
+        m2.load()
+    assert str(info.value) == (
+        f"no intact checkpoint to resume from in {folder.parent}: "
+        "step-10 (__0_0.distcp checksum mismatch (corrupted bytes)), "
+        "step-5 (__0_0.distcp checksum mismatch (corrupted bytes)); they are kept as they "
+        "are: to start again from step 1, move them out of that folder (or use another "
+        "--job.dump_folder)"
+    )
     assert train2.value == 0
-    assert caplog.text.count("no intact checkpoint left to resume from") == 2
+    assert sorted(os.listdir(folder.parent)) == ["step-10", "step-5"]
+
+
+def test_a_corrupt_checkpoint_is_set_aside_not_overwritten_when_its_step_is_saved_again(
+    tmp_path,
+):
+    folder = saved_5_and_10(tmp_path)
+    flip_bytes(folder / "__0_0.distcp")
+    evidence = (folder / "__0_0.distcp").read_bytes()
+    m2, _, _, train2 = manager(tmp_path)
+    assert m2.load() and train2.value == 5  # fell back
+    m2.save(10)
+    m2.close()
+    names = sorted(os.listdir(folder.parent))
+    assert names[:2] == ["step-10", "step-10.corrupt-" + m2._run_id], names
+    assert (folder.parent / names[1] / "__0_0.distcp").read_bytes() == evidence
+    assert verify_checkpoint(folder) is None  # the new step-10 is intact
+    m3, _, _, train3 = manager(tmp_path)
+    assert m3.load() and train3.value == 5  # it holds what was saved after the fallback
 
 
 def test_load_step_of_corrupt_checkpoint_is_user_error(tmp_path):
@@ -370,7 +398,8 @@ def test_corrupt_initial_load_path_is_user_error(tmp_path):
 
 
 def test_checkpoint_from_before_checksums_loads_unverified(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(ckpt, "write_manifest", lambda folder: None)
+    monkeypatch.setattr(ckpt, "hash_own_files", lambda folder, rank: None)
+    monkeypatch.setattr(ckpt, "merge_manifest", lambda folder, world, timeout_s: None)
     monkeypatch.setattr(ckpt.CheckpointWriter, "storage_meta", FileSystemWriter.storage_meta)
     folder = saved_5_and_10(tmp_path)
     assert not (folder / "checksums.json").exists()
@@ -451,3 +480,33 @@ def test_resume_with_more_steps_runs_the_new_schedule(warmup, lr, tmp_path):
     before = model2.weight.detach().clone()
     train_step(model2, opts2, sched2)
     assert not torch.equal(model2.weight, before)  # at lr 0 AdamW would leave them as they were
+
+
+def test_every_rank_hashes_its_own_files_and_rank_0_merges_the_parts(tmp_path):
+    from torchtitan.components.checkpoint.manifest import hash_own_files, merge_manifest
+
+    for name, data in (("__0_0.distcp", b"zero"), ("__1_0.distcp", b"one!"), (".metadata", b"m")):
+        (tmp_path / name).write_bytes(data)
+    hash_own_files(tmp_path, 1)
+    with pytest.raises(TimeoutError, match="no checksums from checksums.part0.json"):
+        merge_manifest(tmp_path, world=2, timeout_s=0.1)  # rank 0's part is missing
+    hash_own_files(tmp_path, 0)
+    part = json.loads((tmp_path / "checksums.part1.json").read_text())
+    assert list(part) == ["__1_0.distcp"]  # rank 1 hashed only what it wrote
+    merge_manifest(tmp_path, world=2, timeout_s=1)
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
+    assert json.loads((tmp_path / MANIFEST).read_text()) == build_manifest(tmp_path)
+
+
+def test_ranks_verify_their_shares_and_together_the_whole_folder(tmp_path):
+    for r in range(3):
+        (tmp_path / f"__{r}_0.distcp").write_bytes(bytes([r]) * 100)
+    (tmp_path / ".metadata").write_bytes(b"meta")
+    write_manifest(tmp_path)
+    flip_bytes(tmp_path / "__2_0.distcp")
+    names = sorted(build_manifest(tmp_path)["files"])  # the order shares are cut from
+    culprit = names.index("__2_0.distcp")
+    verdicts = [verify_checkpoint(tmp_path, share=(i, 2)) for i in range(2)]
+    assert verdicts[culprit % 2] == "__2_0.distcp checksum mismatch (corrupted bytes)"
+    assert verdicts[1 - culprit % 2] is None  # the other share does not read that file
+    assert verify_checkpoint(tmp_path) == verdicts[culprit % 2]

@@ -1,6 +1,8 @@
 """TrainSpec registry: built-ins resolve lazily, unknown names list what exists."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +50,7 @@ def _preflight(*args: str, block_transformers: bool = False):
     )
 
 
+REPO = Path(__file__).resolve().parents[2]
 HF_SPEC = ["--model.name", "hf_auto_parallel", "--model.flavor", "./tests/assets/hf_llama_debug"]
 
 
@@ -73,6 +76,30 @@ def test_hf_spec_unreadable_config_is_one_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert lines[0].startswith(f"error: --model.flavor: cannot read {tmp_path / 'config.json'}")
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (
+            {"num_attention_heads": 7, "num_key_value_heads": 7},
+            "The hidden size (256) is not a multiple of the number of attention heads (7).",
+        ),
+        (
+            {"num_attention_heads": "sixteen"},
+            "Field 'num_attention_heads' expected int, got str (value: 'sixteen')",
+        ),
+    ],
+)
+def test_hf_spec_config_that_transformers_rejects_is_one_line(change, reason, tmp_path):
+    pytest.importorskip("transformers")
+    config = json.loads((REPO / "tests/assets/hf_llama_debug/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    res = _preflight("--model.name", "hf_auto_parallel", "--model.flavor", str(tmp_path))
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"error: --model.flavor: cannot read {tmp_path / 'config.json'}: {reason}"
+    ]
 
 
 def test_hf_spec_rejects_a_model_without_causal_lm(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.tools.logging import logger
 
 
 def _option(section: str, key: str, obj: Any) -> tuple[str, Any]:
@@ -70,11 +71,11 @@ def _check_optimizer(cfg: JobConfig) -> None:
 def _check_schedule(cfg: JobConfig) -> None:
     s, steps = cfg.lr_scheduler, cfg.training.steps
     _at_least(s, "lr_scheduler", "warmup_steps", 0)
-    if s.warmup_steps > steps:
-        raise ConfigError(
+    if s.warmup_steps > steps:  # e.g. a one-step smoke test of a config that warms up
+        logger.warning(
             f"--lr_scheduler.warmup_steps {s.warmup_steps} is longer than the run "
-            f"(--training.steps {steps}): the lr would never reach --optimizer.lr; "
-            f"use at most {steps} warm-up steps"
+            f"(--training.steps {steps}): warming up over the whole run instead, so the lr "
+            "never reaches --optimizer.lr"
         )
     _number_in(s, "lr_scheduler", "min_lr_factor", 0.0, 1.0)
     if s.decay_ratio is not None:

@@ -17,6 +17,15 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def ranks_per_node() -> int:
+    """Ranks on one node, as the launch laid them out (torchrun's LOCAL_WORLD_SIZE: every
+    node runs the same number); without torchrun, the whole world."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local)
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def init_distributed(init_timeout_seconds: int) -> int:
     """Join the torchrun job: NCCL on GPUs, gloo on CPU.  Returns the world size.
 

@@ -2,10 +2,11 @@
 
 Under the launcher (`python -m torchtitan.launch`, which `run_train.sh` runs) the
 environment names a folder (`TORCHTITAN_ERROR_DIR`).  A failing rank writes its
-traceback to `error_rank<R>.log` and a report `error_rank<R>.json` there (rank, time,
-whether it is an input error, the one line) and prints nothing; the launcher waits for
-torchrun, picks the report that explains the failure (`first_report`) and prints its
-line.  Without the launcher (plain torchrun) rank 0 prints an input error as `error: ...`
+traceback to `error_rank<R>.log` and a report `error_rank<R>.json` there (rank, attempt
+(torchrun's restart count), time, whether it is an input error, the one line) and prints
+nothing; a restarted rank first removes its report of the attempt before.  The launcher
+waits for torchrun, picks the report that explains the failure (`first_report`) and prints
+its line.  Without the launcher (plain torchrun) rank 0 prints an input error as `error: ...`
 and anything else propagates as Python's traceback.
 """
 
@@ -44,6 +45,7 @@ def write_report(exc: BaseException, rank: int, folder: Path) -> None:
     details.write_text("".join(traceback.format_exception(exc)))
     report = {
         "rank": rank,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "time": time.time(),
         "user_error": isinstance(exc, UserInputError),
         "line": describe(exc, rank, details),
@@ -70,6 +72,12 @@ def first_report(folder: Path) -> dict | None:
     if not reports:
         return None
     return min(reports, key=lambda r: (not r["user_error"], r["time"], r["rank"]))
+
+
+def clear_own_report(folder: Path, rank: int) -> None:
+    """A restarted rank removes the report it left in an earlier attempt."""
+    for name in (f"error_rank{rank}.json", f"error_rank{rank}.log"):
+        (folder / name).unlink(missing_ok=True)
 
 
 def clear_reports(folder: Path) -> None:

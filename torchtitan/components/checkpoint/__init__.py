@@ -15,18 +15,25 @@ every rank wrote its files and the coordinator wrote `.metadata`, and rank 0 the
 renames the folder to `step-N`. So a `step-N` folder is complete by construction; a
 `.tmp-` folder is an interrupted save, reported and deleted when the next job starts.
 
-Integrity: before that rename, rank 0 writes `checksums.json` into the folder: every
+Integrity: before that rename, `checksums.json` is written into the folder: every
 file's size and BLAKE2b-256 digest (`{"format": 1, "hash": "blake2b-256", "files":
 {name: {"size": n, "blake2b": hex}}}`), itself via a temporary name, fsync and rename,
-so it is part of the atomic commit. Rank 0 hashes files that every rank wrote: this
-assumes a filesystem shared by all ranks (as the rename already does). `.metadata`
-records that the checkpoint carries a manifest (a mark in DCP's `StorageMeta.modules`).
-Before a load, rank 0 checks sizes, then digests (`verify_checkpoint`) and broadcasts
-the verdict; a checkpoint that does not match (flipped bytes, truncated or missing
-file, manifest missing though `.metadata` says there is one) is skipped with a warning
-naming the file, and the newest intact one loads. Checkpoints written before manifests
-existed have no mark: they load unverified, with a warning. Hashing reads every byte
-once: about a second per GB, on rank 0, at each save and at each load.
+so it is part of the atomic commit. Every rank hashes the files it wrote, in parallel,
+and rank 0 merges the parts and adds `.metadata`: this assumes a filesystem shared by
+all ranks (as DCP's file storage and the rename already do). `.metadata` records that
+the checkpoint carries a manifest (a mark in DCP's `StorageMeta.modules`). Before a
+load, sizes are checked, then every rank hashes its share of the files
+(`verify_checkpoint(share=...)`) and the verdicts are gathered; a checkpoint that does
+not match (flipped bytes, truncated or missing file, manifest missing though
+`.metadata` says there is one) is skipped with a warning naming the file, and the
+newest intact one loads. Checkpoints written before manifests existed have no mark:
+they load unverified, with a warning. Hashing reads every byte once, about a second
+per GB, divided among the ranks, at each save and at each load.
+
+Asynchronous saves (`--checkpoint.async_mode async`): the state is staged in memory,
+and writing, hashing and the commit run in a background thread while training goes
+on; at most one save is in flight (the next save, and `close()`, wait for it), and a
+crash before its commit leaves the previous checkpoint the newest intact one.
 
 Loading never unpickles arbitrary objects: the `.metadata` file goes through an
 allowlisting unpickler and non-tensor values through `torch.load(weights_only=True)`,

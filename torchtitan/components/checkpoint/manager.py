@@ -5,10 +5,12 @@ See the package docstring for the checkpoint format and its guarantees.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import shutil
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,9 @@ from torchtitan.components.checkpoint.folders import (
 )
 from torchtitan.components.checkpoint.manifest import (
     CheckpointWriter,
+    hash_own_files,
+    merge_manifest,
     verify_checkpoint,
-    write_manifest,
 )
 from torchtitan.components.checkpoint.safe_load import (
     SafeLoadPlanner,
@@ -46,7 +49,33 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.errors import UserInputError
 from torchtitan.tools.logging import logger
 
+# How long rank 0 waits for the other ranks' checksums of a save before it gives up.
+CHECKSUM_WAIT_S = 600.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (a full disk, a folder gone): one line naming the checkpoint folder
+    and the cause, instead of DCP's per-rank tracebacks."""
+
+
+@contextlib.contextmanager
+def _saving(folder: Path, step: int):
+    """Turn any failure of the save of `step` (DCP raises `CheckpointException`, a
+    `BaseException`, with every rank's traceback in it) into a `CheckpointSaveError`."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        cause: BaseException = e
+        while isinstance(cause, CheckpointException) and cause.failures:
+            cause = next(iter(cause.failures.values()))[0]  # the first failing rank's
+        full = isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+        fix = "free space there" if full else "check that folder"
+        raise CheckpointSaveError(
+            f"cannot save checkpoint step-{step} in {folder}: {one_line_reason(cause)}; the "
+            f"checkpoints saved before it are intact; {fix}, or save elsewhere with "
+            "--job.dump_folder / --checkpoint.folder"
+        ) from e
 
 
 class CheckpointManager:
@@ -83,7 +112,14 @@ class CheckpointManager:
                 f"--checkpoint.keep_latest_k must be 0 (keep all) or more, got {cfg.keep_latest_k}"
             )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._pending: tuple[Future, Path, Path, int, float, bool] | None = None
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._pending: Future | None = None  # the asynchronous save in flight
+        self._pending_step = 0
+        # step-N folders found corrupt at load: a save of step N sets them aside
+        self._failed_verification: set[Path] = set()
+        self._background: ThreadPoolExecutor | None = None
+        self.blocked_s = 0.0  # time the training loop spent in save()
+        self.saves = 0
         self._async_pg = None
         self._run_id = "0"
         if self.enable:
@@ -92,6 +128,8 @@ class CheckpointManager:
                 # Background saves run their collectives on their own group, never
                 # interleaved with the training loop's.
                 self._async_pg = dist.new_group(backend="gloo")
+            if cfg.async_mode == "async":
+                self._background = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
 
     # ---- state dicts -------------------------------------------------------------------
 
@@ -110,14 +148,12 @@ class CheckpointManager:
     # ---- loading -----------------------------------------------------------------------
 
     def load(self, step: int = -1) -> bool:
-        """Restore the latest complete checkpoint (or `step`); else `initial_load_path`.
+        """Restore the latest intact checkpoint (or `step`); else `initial_load_path`.
 
         Returns whether anything was loaded.
         """
         if self.enable:
-            found = _broadcast(self._choose_or_error(step) if self.rank == 0 else None)
-            if isinstance(found, str):  # an error found by rank 0, raised on every rank
-                raise UserInputError(found)
+            found = self._resume_step(step)
             if found is not None:
                 self._load(
                     self.folder / f"step-{found}", model_only=False, what=f"checkpoint step-{found}"
@@ -131,7 +167,7 @@ class CheckpointManager:
                     f"--checkpoint.initial_load_path {path}: not a complete DCP checkpoint folder "
                     "(no such folder, or no .metadata in it)"
                 )
-            reason = _broadcast(verify_checkpoint(root) if self.rank == 0 else None)
+            reason = self._verify(root)
             if reason:
                 raise UserInputError(
                     f"--checkpoint.initial_load_path {path}: corrupt checkpoint: {reason}"
@@ -145,15 +181,56 @@ class CheckpointManager:
             return True
         return False
 
-    def _choose_or_error(self, step: int) -> int | str | None:
-        """`_choose`, with a failure turned into a message (other ranks wait on rank 0)."""
+    def _verify(self, path: Path) -> str | None:
+        """Whether `path` matches its manifest, checked by all ranks at once (each hashes its
+        share of the files): None, or the first problem any rank found.  Collective."""
+        mine = verify_checkpoint(path, share=(self.rank, self.world))
+        if self.world == 1:
+            return mine
+        found: list[str | None] = [None] * self.world
+        dist.all_gather_object(found, mine)
+        return next((reason for reason in found if reason), None)
+
+    def _resume_step(self, step: int) -> int | None:
+        """The step to resume from (`step` if given), verified by every rank; None if there is
+        no checkpoint to resume from.  Collective."""
+        plan = _broadcast(self._candidates_or_error(step) if self.rank == 0 else None)
+        if isinstance(plan, str):  # an error found by rank 0, raised on every rank
+            raise UserInputError(plan)
+        skipped: list[tuple[str, str]] = []
+        chosen = None
+        for candidate, path, known, corrupt in plan:
+            reason = self._verify(Path(path)) or known
+            if reason is None:
+                chosen = candidate
+                break
+            if corrupt:  # --checkpoint.load_step names this one
+                raise UserInputError(corrupt.replace("{reason}", reason))
+            skipped.append((path, reason))
+        if chosen is None and skipped:
+            found = ", ".join(f"{Path(path).name} ({reason})" for path, reason in skipped)
+            raise UserInputError(
+                f"no intact checkpoint to resume from in {self.folder}: {found}; they are "
+                "kept as they are: to start again from step 1, move them out of that folder "
+                "(or use another --job.dump_folder)"
+            )
+        self._failed_verification = {Path(path) for path, _ in skipped}
+        if self.rank == 0:
+            for path, reason in skipped:
+                logger.warning("checkpoint %s: %s; falling back to step-%s", path, reason, chosen)
+        return chosen
+
+    def _candidates_or_error(self, step: int) -> list[tuple] | str:
+        """`_candidates`, with a failure turned into a message (other ranks wait on rank 0)."""
         try:
-            return self._choose(step)
+            return self._candidates(step)
         except Exception as e:  # noqa: BLE001 - raised on every rank by load()
             return f"cannot read the checkpoints in {self.folder}: {one_line_reason(e)}"
 
-    def _choose(self, step: int) -> int | str | None:
-        """Rank 0: the step to resume from, None for none, or an error message."""
+    def _candidates(self, step: int) -> list[tuple] | str:
+        """Rank 0: the checkpoints to try, newest first, as (step, path, known problem or
+        None, message if it is corrupt or None); or an error message.  Deletes interrupted
+        saves; skips model-only exports."""
         complete, partial = scan_folder(self.folder)
         for path in partial:
             logger.warning(
@@ -161,37 +238,26 @@ class CheckpointManager:
             )
             shutil.rmtree(path, ignore_errors=True)
         if step >= 0:
-            return self._check_load_step(step, complete)
-        skipped: list[tuple[Path, str]] = []
-        chosen = None
+            return self._load_step_candidate(step, complete)
+        candidates: list[tuple] = []
         for candidate in reversed(complete):
             path = complete[candidate]
             try:
                 keys = read_keys(path)
             except Exception as e:  # noqa: BLE001 - reported and skipped
-                # The manifest, if any, says more precisely what is wrong with .metadata.
-                why = verify_checkpoint(path) or f".metadata unreadable ({one_line_reason(e)})"
-                skipped.append((path, why))
+                # verification, if it fails, says more precisely what is wrong with .metadata
+                candidates.append(
+                    (candidate, str(path), f".metadata unreadable ({one_line_reason(e)})", None)
+                )
                 continue
             if not self._is_full(keys):  # before hashing: an export is skipped anyway
                 logger.info("not resuming from %s: model-only export", path)
                 continue
-            reason = verify_checkpoint(path)
-            if reason is None:
-                chosen = candidate
-                break
-            skipped.append((path, reason))
-        then = (
-            f"falling back to step-{chosen}"
-            if chosen is not None
-            else "no intact checkpoint left to resume from"
-        )
-        for path, reason in skipped:
-            logger.warning("checkpoint %s: %s; %s", path, reason, then)
-        return chosen
+            candidates.append((candidate, str(path), None, None))
+        return candidates
 
-    def _check_load_step(self, step: int, complete: dict[int, Path]) -> int | str:
-        """`step` if `--checkpoint.load_step step` can resume training, else why not."""
+    def _load_step_candidate(self, step: int, complete: dict[int, Path]) -> list[tuple] | str:
+        """`--checkpoint.load_step step` as the only candidate, or why it cannot resume."""
         flag = f"--checkpoint.load_step {step}"
         if step not in complete:
             return (
@@ -199,19 +265,21 @@ class CheckpointManager:
                 f"{self.folder} (found: {', '.join(map(str, complete)) or 'none'})"
             )
         path = complete[step]
-        reason = verify_checkpoint(path)
-        if reason:
-            others = ", ".join(str(s) for s in complete if s != step) or "none"
-            return (
-                f"{flag}: checkpoint {path} is corrupt: {reason}; pick another step "
-                f"(found: {others}) or delete that folder"
-            )
-        if not self._is_full(read_keys(path)):
+        others = ", ".join(str(s) for s in complete if s != step) or "none"
+        corrupt = (
+            f"{flag}: checkpoint {path} is corrupt: {{reason}}; pick another step "
+            f"(found: {others}) or delete that folder"
+        )
+        try:
+            keys = read_keys(path)
+        except Exception as e:  # noqa: BLE001 - verification names the culprit, if it can
+            return [(step, str(path), f".metadata unreadable ({one_line_reason(e)})", corrupt)]
+        if not self._is_full(keys):
             return (
                 f"{flag}: {path} is a model-only export and "
                 "cannot resume training; load it with --checkpoint.initial_load_path instead"
             )
-        return step
+        return [(step, str(path), None, corrupt)]
 
     def _load(self, path: Path, model_only: bool, what: str) -> None:
         start = time.monotonic()
@@ -228,16 +296,16 @@ class CheckpointManager:
         for part in self.model_parts:
             set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
         _restore(states, state_dict)
-        logger.info("loaded %s from %s in %.1f s", what, path, time.monotonic() - start)
+        logger.info("loaded %s from %s in %.2f s", what, path, time.monotonic() - start)
 
     # ---- saving ------------------------------------------------------------------------
 
-    def save(self, curr_step: int, last_step: bool = False) -> None:
-        """Save if `curr_step` is a multiple of the interval or the last step."""
-        if not self.enable or not (last_step or curr_step % self.cfg.interval == 0):
+    def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> None:
+        """Save if `curr_step` is a multiple of the interval, the last step, or `force`d."""
+        if not self.enable or not (force or last_step or curr_step % self.cfg.interval == 0):
             return
-        self._wait_pending()
         start = time.monotonic()
+        self._wait_pending()
         model_only = last_step and self.cfg.last_save_model_only
         if model_only:
             state_dict = self._model_state_dict(_DTYPES[self.cfg.export_dtype])
@@ -246,34 +314,59 @@ class CheckpointManager:
         final = self.folder / f"step-{curr_step}"
         tmp = self.folder / f"step-{curr_step}.tmp-{self._run_id}"
         writer = CheckpointWriter(tmp)
-        if self.cfg.async_mode == "async":
-            saving = dcp.async_save(state_dict, storage_writer=writer, process_group=self._async_pg)
-            future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
-            self._pending = (future, tmp, final, curr_step, start, model_only)
-            logger.info(
-                "checkpoint step-%d: staged in %.1f s, writing in the background",
-                curr_step,
-                time.monotonic() - start,
-            )
-        else:
-            dcp.save(state_dict, storage_writer=writer)
-            self._commit(tmp, final, curr_step, start, model_only)
+        with _saving(self.folder, curr_step):
+            if self._background is None:
+                dcp.save(state_dict, storage_writer=writer)
+                self._finish(None, tmp, final, curr_step, start, model_only)
+            else:
+                saving = dcp.async_save(
+                    state_dict, storage_writer=writer, process_group=self._async_pg
+                )
+                upload = (
+                    saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
+                )
+                self._pending = self._background.submit(
+                    self._finish, upload, tmp, final, curr_step, start, model_only
+                )
+                self._pending_step = curr_step
+                logger.info(
+                    "checkpoint step-%d: staged in %.1f s, writing in the background",
+                    curr_step,
+                    time.monotonic() - start,
+                )
+        self.blocked_s += time.monotonic() - start
+        self.saves += 1
 
     def _wait_pending(self) -> None:
         if self._pending is not None:
-            future, tmp, final, step, start, model_only = self._pending
-            self._pending = None
-            future.result()
-            self._commit(tmp, final, step, start, model_only)
+            pending, self._pending = self._pending, None
+            with _saving(self.folder, self._pending_step):
+                pending.result()
 
-    def _commit(self, tmp: Path, final: Path, step: int, start: float, model_only: bool) -> None:
-        """Rank 0 makes a finished save visible as `step-N` and purges old ones."""
+    def _finish(
+        self,
+        upload: Future | None,
+        tmp: Path,
+        final: Path,
+        step: int,
+        start: float,
+        model_only: bool,
+    ) -> None:
+        """Once this rank's files are written: hash them; rank 0 then makes the save visible
+        (in the background thread for an asynchronous save)."""
+        if upload is not None:
+            upload.result()
+        hashing = time.monotonic()
+        hash_own_files(tmp, self.rank)
         if self.rank != 0:
             return
-        hashing = time.monotonic()
-        write_manifest(tmp)
+        merge_manifest(tmp, self.world, CHECKSUM_WAIT_S)
         hashing = time.monotonic() - hashing
-        if final.exists():  # e.g. resumed from an earlier load_step: replace the old one
+        if final in self._failed_verification:  # evidence: set aside, never overwritten
+            kept = final.with_name(f"{final.name}.corrupt-{self._run_id}")
+            final.rename(kept)
+            logger.warning("kept the corrupt checkpoint %s as %s", final, kept)
+        elif final.exists():  # e.g. resumed from an earlier load_step: replace the old one
             old = final.with_name(f"{final.name}.tmp-replaced-{self._run_id}")
             final.rename(old)
             shutil.rmtree(old, ignore_errors=True)
@@ -281,7 +374,7 @@ class CheckpointManager:
         fsync_dir(final.parent)
         kind = "model-only checkpoint" if model_only else "checkpoint"
         logger.info(
-            "saved %s %s in %.1f s (checksums %.1f s)",
+            "saved %s %s in %.2f s (checksums %.2f s)",
             kind,
             final,
             time.monotonic() - start,
@@ -292,9 +385,31 @@ class CheckpointManager:
                 "deleted old checkpoint %s (keep_latest_k %d)", path, self.cfg.keep_latest_k
             )
 
-    def close(self) -> None:
-        """Finish an asynchronous save still in flight."""
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint folder, once a save in flight has finished
+        (every rank calls it, and sees rank 0's commit); None when there is none."""
+        if not self.enable:
+            return None
         self._wait_pending()
+        if dist.is_initialized():
+            dist.barrier()
+        complete, _ = scan_folder(self.folder)
+        return list(complete.values())[-1] if complete else None
+
+    def close(self) -> None:
+        """Finish an asynchronous save still in flight; say how long saving held training."""
+        start = time.monotonic()
+        self._wait_pending()
+        self.blocked_s += time.monotonic() - start
+        if self._background is not None:
+            self._background.shutdown()
+        if self.saves:
+            logger.info(
+                "checkpointing held training for %.2f s in %d saves (%s)",
+                self.blocked_s,
+                self.saves,
+                "asynchronous" if self._background is not None else "synchronous",
+            )
 
 
 def _restore(states: dict[str, Stateful], loaded: dict[str, Any]) -> None:

@@ -1,8 +1,11 @@
 """Checksum manifests: every file's size and digest, written at save, verified at load.
 
-Before a save is made visible, rank 0 writes `checksums.json` into the folder: every
+Before a save is made visible, `checksums.json` is written into the folder: every
 file's size and BLAKE2b-256 digest (`{"format": 1, "hash": "blake2b-256", "files":
 {name: {"size": n, "blake2b": hex}}}`), itself via a temporary name, fsync and rename.
+Every rank hashes the files it wrote (`hash_own_files`, a part file each) and rank 0
+merges the parts (`merge_manifest`); at load every rank hashes its share of the files
+(`verify_checkpoint(share=...)`), so both cost one n-th of the bytes per rank.
 `CheckpointWriter` marks `.metadata` as carrying a manifest (in DCP's
 `StorageMeta.modules`), so that a lost manifest is told apart from a checkpoint written
 before manifests existed.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +41,72 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(folder: Path) -> dict[str, Any]:
-    """Size and digest of every file under `folder` except the manifest itself."""
-    files = {}
+def _entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "blake2b": _digest(path)}
+
+
+def _data_files(folder: Path) -> list[str]:
+    """Every file of a checkpoint folder but the manifest and its parts."""
+    names = []
     for path in sorted(folder.rglob("*")):
         name = path.relative_to(folder).as_posix()
-        if path.is_file() and name not in (MANIFEST, MANIFEST + ".tmp"):
-            files[name] = {"size": path.stat().st_size, "blake2b": _digest(path)}
-    return {**_MANIFEST_FORMAT, "files": files}
+        if path.is_file() and not name.startswith(MANIFEST.removesuffix(".json")):
+            names.append(name)
+    return names
 
 
-def write_manifest(folder: Path) -> None:
-    """Write `folder`/checksums.json durably: temporary name, fsync, rename, fsync."""
+def build_manifest(folder: Path) -> dict[str, Any]:
+    """Size and digest of every file under `folder` except the manifest itself."""
+    return {**_MANIFEST_FORMAT, "files": {n: _entry(folder / n) for n in _data_files(folder)}}
+
+
+def write_manifest(folder: Path, entries: dict[str, Any] | None = None) -> None:
+    """Write `folder`/checksums.json durably (temporary name, fsync, rename, fsync): the
+    given `entries` plus every file they leave out, hashed here."""
+    entries = dict(entries or {})
+    for name in _data_files(folder):
+        if name not in entries:
+            entries[name] = _entry(folder / name)
     tmp = folder / (MANIFEST + ".tmp")
     with tmp.open("w") as f:
-        json.dump(build_manifest(folder), f, indent=1, sort_keys=True)
+        json.dump({**_MANIFEST_FORMAT, "files": entries}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     tmp.rename(folder / MANIFEST)
     fsync_dir(folder)
+
+
+# ---- saving on many ranks: each hashes what it wrote ---------------------------------
+
+
+def _part(folder: Path, rank: int) -> Path:
+    return folder / f"{MANIFEST.removesuffix('.json')}.part{rank}.json"
+
+
+def hash_own_files(folder: Path, rank: int) -> None:
+    """Rank `rank`'s share of a save's checksums: the files DCP's file writer named after
+    it (`__{rank}_*`), written as a part file that `merge_manifest` collects."""
+    entries = {n: _entry(folder / n) for n in _data_files(folder) if n.startswith(f"__{rank}_")}
+    tmp = _part(folder, rank).with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries))
+    tmp.rename(_part(folder, rank))
+
+
+def merge_manifest(folder: Path, world: int, timeout_s: float) -> None:
+    """Rank 0: wait for every rank's part (`hash_own_files`), hash what no rank claimed
+    (`.metadata`), write the manifest and remove the parts."""
+    deadline = time.monotonic() + timeout_s
+    parts = [_part(folder, r) for r in range(world)]
+    while missing := [p for p in parts if not p.is_file()]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint {folder}: no checksums from {missing[0].name}")
+        time.sleep(0.05)
+    entries: dict[str, Any] = {}
+    for part in parts:
+        entries.update(json.loads(part.read_text()))
+    for part in parts:
+        part.unlink()
+    write_manifest(folder, entries)
 
 
 def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
@@ -74,12 +125,16 @@ def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
-def verify_checkpoint(path: Path, strict: bool = False) -> str | None:
+def verify_checkpoint(
+    path: Path, strict: bool = False, share: tuple[int, int] = (0, 1)
+) -> str | None:
     """None if the checkpoint folder `path` matches its manifest, else why not (one line).
 
     Needs no torch.distributed. Sizes are checked before any file is hashed. Files not in
     the manifest are ignored (DCP reads only those `.metadata` names). A checkpoint from
     before manifests existed is accepted with a warning, or refused if `strict`.
+    `share=(i, n)` hashes only every n-th file from the i-th (sizes are all checked): n
+    ranks calling it with their own i verify the whole folder in parallel.
     """
     if not (path / MANIFEST).is_file():
         return _without_manifest(path, strict)
@@ -95,8 +150,9 @@ def verify_checkpoint(path: Path, strict: bool = False) -> str | None:
         if size != entry["size"]:
             hint = "truncated?" if size < entry["size"] else "appended to?"
             return f"{name} size {size} != {entry['size']} ({hint})"
-    for name, entry in files.items():
-        if _digest(path / name) != entry["blake2b"]:
+    index, count = share
+    for name in sorted(files)[index::count]:
+        if _digest(path / name) != files[name]["blake2b"]:
             return f"{name} checksum mismatch (corrupted bytes)"
     return None
 

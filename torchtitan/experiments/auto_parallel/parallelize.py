@@ -31,13 +31,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
-from torchtitan.autoparallel.cost.model import DEVICES
+from torchtitan.autoparallel.cost.model import DEVICES, CostModel
 from torchtitan.autoparallel.plan.display import plan_summary
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import EP, ParallelDims
-from torchtitan.distributed.utils import TORCH_DTYPES, device_type, resolve_param_dtype
+from torchtitan.distributed.utils import (
+    TORCH_DTYPES,
+    device_type,
+    ranks_per_node,
+    resolve_param_dtype,
+)
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
+from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits
 from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
 
@@ -56,14 +62,18 @@ def _batch_placements(mesh_dim_names: tuple[str, ...], tp_placement) -> list:
     return [tp_placement if name == "tp" else Shard(0) for name in mesh_dim_names]
 
 
-def cost_model_name(setting: str) -> str:
-    """`--autoparallel.cost_model`: a device name, or auto (the device this job runs on)."""
+def job_cost_model(setting: str) -> CostModel:
+    """The cost model of `--autoparallel.cost_model` (a device name, or auto: the device this
+    job runs on) with this launch's node size, so that each mesh dim is priced with the link
+    it really uses (`CostModel.within_node`)."""
     if setting != "auto":
-        return setting.lower()
-    if device_type() != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    return next((d for d in DEVICES if d != "cpu" and d in name), "h100")
+        name = setting.lower()
+    elif device_type() != "cuda":
+        name = "cpu"
+    else:
+        gpu = torch.cuda.get_device_name().lower()
+        name = next((d for d in DEVICES if d != "cpu" and d in gpu), "h100")
+    return CostModel.for_device(name, gpus_per_node=ranks_per_node())
 
 
 def parallelize_llama_auto(
@@ -122,7 +132,7 @@ def planner_for_job(
         input_fn,
         mesh,
         mp_policy=mp_policy,
-        cost_model=cost_model_name(settings.cost_model),
+        cost_model=job_cost_model(settings.cost_model),
         solver_time_limit=settings.solver_time_limit_seconds,
         solver_proof_limit=settings.solver_proof_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
@@ -225,19 +235,23 @@ def _parallelize(
         autop = searched.planner.on_mesh(mesh)
         add_job_constraints(autop, names, loss_parallel, job_config)
         plan = searched.plan
+        check_plan_fits(plan)
         parallel_model = autop.apply_placement(plan)
         logger.info(
             "auto-parallel: applied the plan the mesh search made for this mesh, from its trace "
-            f"(no solve) in {time.perf_counter() - start:.1f}s\n{plan_summary(plan)}"
+            f"(no solve) in {time.perf_counter() - start:.1f}s; "
+            f"{autop.cost_model.node_layout(mesh.shape, names)}\n{plan_summary(plan)}"
         )
     else:
         with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
             add_job_constraints(autop, names, loss_parallel, job_config)
             cache_dir = plan_cache_folder(job_config)
             plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir)
+            check_plan_fits(plan)
             parallel_model = autop.apply_placement(plan)
+            layout = autop.cost_model.node_layout(mesh.shape, names)
         elapsed = time.perf_counter() - start
-        logger.info(f"auto-parallel planning took {elapsed:.1f}s\n{plan_summary(plan)}")
+        logger.info(f"auto-parallel planning took {elapsed:.1f}s; {layout}\n{plan_summary(plan)}")
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms
