@@ -18,9 +18,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
+from harness import native_crash
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -57,9 +59,23 @@ def _torchrun(
         os.path.join(HERE, script),
         *args,
     ]
+    res, records = _launch(cmd, timeout, env)
+    if signal := native_crash(res.returncode, res.stdout + res.stderr):  # see harness.py
+        warnings.warn(
+            f"{script} {' '.join(args)}: a rank died of {signal}; run again", stacklevel=2
+        )
+        res, records = _launch(cmd, timeout, env)
+    checks = Checks(records)
+    if res.returncode != 0 or "ALL OK" not in checks or checks.failed:
+        pytest.fail(f"torchrun rc={res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+    return checks
+
+
+def _launch(cmd: list[str], timeout: int, env: dict | None):
+    """One torchrun launch: its completed process and the checks rank 0 recorded."""
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "checks.jsonl"
-        env = dict(
+        full_env = dict(
             os.environ,
             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
             PYTHONHASHSEED="0",  # one hash seed for all ranks, as run_train.sh
@@ -67,15 +83,12 @@ def _torchrun(
             **(env or {}),
         )
         res = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT
         )
         records = (
             [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
         )
-    checks = Checks(records)
-    if res.returncode != 0 or "ALL OK" not in checks or checks.failed:
-        pytest.fail(f"torchrun rc={res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
-    return checks
+    return res, records
 
 
 def test_llama_all_meshes_match_single_process():

@@ -67,9 +67,40 @@ class Run:
 
     def check(self) -> Run:
         assert self.returncode == 0, (
-            f"training failed (rc {self.returncode}):\n{self.output[-6000:]}"
+            f"training failed (rc {self.returncode}):\n{_crash_lines(self.output)}"
+            f"{self.output[-6000:]}"
         )
         return self
+
+
+# What a rank that dies in native code prints before its signal (abort, segfault); the
+# tail of the output is usually the other ranks' "connection closed" tracebacks instead.
+_CRASH_MARKERS = (
+    "terminate called",
+    "what():",
+    "Fatal Python error",
+    "Segmentation fault",
+    "double free",
+    "corrupted",
+    "free(): ",
+    "Aborted",
+)
+
+
+def _crash_lines(output: str) -> str:
+    """The lines (with two before each) where a rank reported a native crash, or ""."""
+    lines = output.splitlines()
+    keep = sorted(
+        {
+            j
+            for i, line in enumerate(lines)
+            if any(m in line for m in _CRASH_MARKERS)
+            for j in range(max(0, i - 2), i + 1)
+        }
+    )
+    if not keep:
+        return ""
+    return "native crash report:\n" + "\n".join(lines[j] for j in keep[:60]) + "\n...\n"
 
 
 def run_training(
