@@ -9,13 +9,14 @@ written llama3 dp2×tp2 must continue from the auto-parallel step-5 checkpoint w
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
 import pytest
 from harness import REPO, run_training
 
-from torchtitan.tools.loss_compare import assert_losses_close, read_golden
+from torchtitan.tools.loss_compare import assert_losses_close, preflight, read_golden
 
 GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
 AUTO = ["--model.name", "llama3_auto_parallel"]
@@ -180,3 +181,43 @@ def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train
         run.output,
     )
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="auto mesh vs 1 rank")
+
+
+AP_SECTION = ["--job.custom_config_module", "torchtitan.experiments.auto_parallel.job_config"]
+W1_PATTERN = "layers.*.feed_forward.w1.weight"
+
+
+def _other_full_split(placement: str) -> str:
+    """A placement other than `placement` that also splits a 2-D weight 4 ways on (2, 2)."""
+    return next(p for p in ("S(0),S(1)", "S(1),S(0)", "S(0),S(0)") if p != placement)
+
+
+def test_a_pin_from_the_config_is_planned_and_trains_as_one_rank(dp2_tp2_run, train_on_ranks):
+    (plan_file,) = (dp2_tp2_run.dump_folder / "plans").glob("*.json")
+    name = "layers.0.feed_forward.w1.weight"
+    pin = _other_full_split(json.loads(plan_file.read_text())["params"][name])
+    run = train_on_ranks(
+        4,
+        [*AUTO, *MESHES["dp2_tp2"], *AP_SECTION, "--autoparallel.pin", f"{W1_PATTERN}={pin}"],
+    )
+    (pinned_file,) = (run.dump_folder / "plans").glob("*.json")
+    params = json.loads(pinned_file.read_text())["params"]
+    assert {params[n] for n in params if n.endswith("feed_forward.w1.weight")} == {pin}
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=f"auto dp2xtp2 with w1 at {pin}")
+
+
+def test_a_pin_that_cannot_apply_is_one_line_before_ranks_start():
+    why = preflight(
+        4,
+        [
+            *AUTO,
+            *MESHES["dp2_tp2"],
+            *AP_SECTION,
+            "--autoparallel.pin",
+            "layers.*.mlp.w1.weight=S(0),R",
+        ],
+    )
+    assert why == (
+        "--autoparallel.pin 'layers.*.mlp.w1.weight=S(0),R': no parameter matches "
+        "'layers.*.mlp.w1.weight' (did you mean 'layers.0.feed_forward.w1.weight'?)"
+    )

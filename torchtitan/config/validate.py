@@ -104,7 +104,7 @@ def validate_job_config(cfg: JobConfig) -> None:
     _check_optimizer(cfg)
     _check_schedule(cfg)
     _check_outputs(cfg)
-    for f in dataclasses.fields(cfg):  # an experiment's section checks itself
-        validate_section = getattr(getattr(cfg, f.name), "validate", None)
+    for f in dataclasses.fields(cfg):  # an experiment's section checks itself (and its
+        validate_section = getattr(getattr(cfg, f.name), "validate", None)  # ties to others)
         if callable(validate_section):
-            validate_section()
+            validate_section(cfg)

@@ -8,15 +8,17 @@ import dataclasses
 
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
+from torchtitan.experiments.auto_parallel.pins import pin_checker
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 
 def get_train_spec():
-    # The planner places uneven shards, so any mesh is accepted (no check_parallelism_fn).
+    # The planner places uneven shards, so any mesh is accepted; only pins are checked.
+    base = _llama3_spec()
     return dataclasses.replace(
-        _llama3_spec(),
+        base,
         name="llama3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
-        check_parallelism_fn=None,
+        check_parallelism_fn=pin_checker(base.model_cls),
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.config.manager import ConfigError
 
@@ -44,8 +45,23 @@ class AutoParallelConfig:
     """Reuse a plan cached under {dump_folder}/plans/ (keyed by the traced graph, mesh,
     constraints, precision and cost model) and cache new ones."""
 
-    def validate(self) -> None:
+    pin: str = ""
+    """Placements the plan must use, 'PATTERN=PLACEMENTS' entries separated by ';': a glob
+    over parameter names and one placement per mesh dim, outermost first (R, S(dim)), e.g.
+    'layers.*.feed_forward.w1.weight=S(0),S(0);tok_embeddings.weight=S(0),R' on a
+    (dp_shard, tp) mesh.  The solver chooses everything else around them.  Needs fixed
+    degrees (no auto)."""
+
+    def validate(self, job_config: Any) -> None:
         from torchtitan.autoparallel.cost.model import DEVICES
+        from torchtitan.distributed.parallel_dims import mesh_search_requested
+        from torchtitan.experiments.auto_parallel.pins import OPTION, parse_pins
+
+        if parse_pins(self.pin) and mesh_search_requested(job_config.parallelism):
+            raise ConfigError(
+                f"{OPTION}: pins give one placement per mesh dim, so they need a fixed mesh; "
+                "give every --parallelism degree instead of auto (or drop the pins)"
+            )
 
         if self.cost_model != "auto" and self.cost_model.lower() not in DEVICES:
             raise ConfigError(

@@ -10,14 +10,17 @@ import dataclasses
 
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
+from torchtitan.experiments.auto_parallel.pins import pin_checker
 from torchtitan.models.deepseek_v3 import get_train_spec as _moe_spec
 
 
 def get_train_spec():
+    base = _moe_spec()
     return dataclasses.replace(
-        _moe_spec(),
+        base,
         name="deepseek_v3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
-        check_parallelism_fn=None,  # the planner places any mesh (config/resolve.py checks EP)
+        # the planner places any mesh (config/resolve.py checks EP); only pins are checked
+        check_parallelism_fn=pin_checker(base.model_cls),
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -44,6 +44,7 @@ from torchtitan.distributed.utils import (
 from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
 from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits
+from torchtitan.experiments.auto_parallel.pins import job_pins, match_pins
 from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
 
@@ -148,7 +149,8 @@ def add_job_constraints(
 ) -> None:
     """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
     batch split over every data-parallel dim, logits split over tp with loss parallelism,
-    the routed experts split over the `ep` dim when the job has one."""
+    the routed experts split over the `ep` dim when the job has one, the `--autoparallel.pin`
+    placements."""
     autop.set_recompute(job_recompute(job_config, autop))
     autop.add_parameter_memory_constraint(low=None, high=None)
     if EP in names:  # --parallelism.expert_parallel_degree: the experts split over `ep`
@@ -160,6 +162,9 @@ def add_job_constraints(
     autop.add_output_constraints(
         [_batch_placements(names, Shard(2) if loss_parallel else Replicate())]
     )
+    mesh = list(zip(names, autop.mesh.shape))
+    for name, placements in match_pins(job_pins(job_config), autop.param_shapes(), mesh).items():
+        autop.add_parameter_constraint(name, placements)
 
 
 def job_recompute(job_config: JobConfig, autop: AutoParallel) -> str | dict[str, str]:
