@@ -30,6 +30,10 @@ same search.
 predicted step, compute, communication and peak memory, and every parameter pattern whose
 placements differ), e.g. two meshes, two precisions, or a plan before and after an edit.
 
+`--explain PATTERN` also solves the plan again for every placement the parameters the glob
+names (all of one shape) could take, each pinned in turn, and prints what each would do to
+the predicted step, communication and memory, or which constraints forbid it.
+
 `--gpus-per-node` (default 8) is the node size: a mesh dim whose groups stay inside one node
 (ranks are numbered node after node, the last mesh dim fastest) is priced with the device's
 intra-node link, any other with its inter-node link; the mesh search keeps tp inside a node.
@@ -131,6 +135,13 @@ def parse_args(argv=None):
         "are priced with default, always and never",
     )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
+    ap.add_argument(
+        "--explain",
+        default=None,
+        metavar="PATTERN",
+        help="why the parameters this glob names (one shape) are placed as they are: the plan "
+        "solved again with each placement they could take pinned",
+    )
     ap.add_argument("--time-limit", type=float, default=300.0, help="solver time limit (s)")
     ap.add_argument(
         "--proof-limit",
@@ -363,6 +374,9 @@ def run(a) -> int:
             f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s; "
             f"automatic plan after {plan_s:.2f}s"
         )
+        explained = None
+        if a.explain:
+            explained = explain(a.explain, autop, plans["auto"], lambda: constrain(autop, names))
         if not a.no_baselines:
             pshapes = autop.param_shapes()
             baselines = []
@@ -434,6 +448,8 @@ def run(a) -> int:
             )
         else:
             print(f"no hand-written plan fits {budget_gib:g} GiB per rank")
+    if explained is not None:
+        print(explained)
     t = auto.timings
     print(
         "timings: "
@@ -494,6 +510,26 @@ def run(a) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("wrote " + ", ".join(str(out / name) for name in written))
     return 0
+
+
+def explain(pattern: str, autop, auto, constrain) -> str:
+    """`--explain PATTERN`: the table of what each placement of those parameters would do."""
+    from torchtitan.autoparallel.plan.explain import (
+        explain_placements,
+        explanation_table,
+        matching_parameters,
+    )
+
+    params = matching_parameters(pattern, autop.param_shapes())
+    chosen = auto.params[params[0]]
+    _progress(f"  explaining {pattern}: {len(params)} parameter(s), one solve per placement ...")
+    alternatives = explain_placements(autop, params, constrain)
+    shape = tuple(autop.param_shapes()[params[0]])
+    return (
+        f"\n== why {pattern} ({len(params)} parameter(s) of shape {shape}) is {chosen}: "
+        "the plan solved again with each placement pinned\n"
+        + explanation_table(chosen, alternatives)
+    )
 
 
 def diff(paths: list[str]) -> int:
