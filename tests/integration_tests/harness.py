@@ -49,9 +49,13 @@ def run_training(
     """Run `python -m torchtitan.train` on `nproc` CPU ranks with the debug config,
     FAST_ARGS and then `args` (see `loss_compare.run_training` for `inductor_cache`).
 
-    A launch into a new folder whose rank died of a native signal is run once more, in a
-    clean folder (the crashed attempt's is kept beside it, `<folder>.native-crash`)."""
-    fresh = not Path(dump_folder).exists() or not any(Path(dump_folder).iterdir())
+    A launch whose rank died of a native signal is run once more from the folder as it was
+    before (the crashed attempt's is kept beside it, `<folder>.native-crash`)."""
+    folder = Path(dump_folder)
+    before = folder.with_name(f"{folder.name}.before-launch")
+    shutil.rmtree(before, ignore_errors=True)
+    if folder.exists():  # a checkpoint or plan a test put there: small, copied as it is
+        shutil.copytree(folder, before, symlinks=True)
 
     def launch() -> Run:
         return loss_compare.run_training(
@@ -65,14 +69,17 @@ def run_training(
         )
 
     run = launch()
-    if fresh and (signal := native_crash(run.returncode, run.output)):
-        kept = Path(f"{dump_folder}.native-crash")
+    if signal := native_crash(run.returncode, run.output):
+        kept = folder.with_name(f"{folder.name}.native-crash")
         shutil.rmtree(kept, ignore_errors=True)
-        Path(dump_folder).rename(kept)
+        folder.rename(kept)
+        if before.exists():
+            before.rename(folder)
         warnings.warn(
             f"{dump_folder}: a rank died of {signal} (output in {kept}); run again", stacklevel=2
         )
         run = launch()
+    shutil.rmtree(before, ignore_errors=True)
     return run
 
 
