@@ -71,32 +71,27 @@ def explain_placements(
 def explanation_table(chosen: str, alternatives: Sequence[Alternative]) -> str:
     """The alternatives as a table, the chosen placement first, the others by predicted
     step, each with its difference from the chosen one."""
-    base = next((a.plan for a in alternatives if a.placement == chosen and a.plan), None)
-    if base is None:
+    solved = sorted(
+        ((a.placement, a.plan) for a in alternatives if a.plan is not None),
+        key=lambda row: (row[0] != chosen, row[1].predicted["step_us"]),
+    )
+    if not solved or solved[0][0] != chosen:
         raise ConstraintError(f"explain: the chosen placement {chosen} is not among them")
-
-    def step(plan: Plan) -> float:
-        return plan.predicted["step_us"]
-
-    feasible = sorted((a for a in alternatives if a.plan), key=lambda a: step(a.plan))  # type: ignore[arg-type]
-    rows = [a for a in feasible if a.placement == chosen]
-    rows += [a for a in feasible if a.placement != chosen]
-    header = (
+    base_us = solved[0][1].predicted["step_us"]
+    lines = [
         f"{'placement':<12} {'step ms':>9} {'vs chosen':>10} {'compute':>9} "
         f"{'exposed comm':>12} {'peak GiB':>9}"
-    )
-    lines = [header]
-    for a in rows:
-        p = a.plan.predicted  # type: ignore[union-attr]
-        delta = (p["step_us"] - step(base)) / 1e3
+    ]
+    for placement, plan in solved:
+        p = plan.predicted
         compute = p.get("compute_us", 0.0) + p.get("recompute_us", 0.0)
-        mark = "chosen" if a.placement == chosen else f"{delta:+.3f}"
+        mark = "chosen" if placement == chosen else f"{(p['step_us'] - base_us) / 1e3:+.3f}"
         lines.append(
-            f"{a.placement:<12} {p['step_us'] / 1e3:>9.3f} {mark:>10} {compute / 1e3:>9.3f} "
+            f"{placement:<12} {p['step_us'] / 1e3:>9.3f} {mark:>10} {compute / 1e3:>9.3f} "
             f"{p.get('exposed_comm_us', 0.0) / 1e3:>12.3f} "
             f"{p.get('peak_bytes_per_rank', 0.0) / 2**30:>9.4f}"
         )
-    for a in alternatives:
-        if a.plan is None:
-            lines.append(f"{a.placement:<12} not possible: {a.infeasible}")
+    lines += [
+        f"{a.placement:<12} not possible: {a.infeasible}" for a in alternatives if a.plan is None
+    ]
     return "\n".join(lines)
