@@ -15,14 +15,24 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import ConstraintError, InfeasiblePlanError
 from ..graph import placements as P
 from .plan import Plan
 
-if TYPE_CHECKING:
-    from ..api import AutoParallel
+
+class Replanner(Protocol):
+    """What explaining needs of the planner (`AutoParallel`, entered): its mesh, the
+    parameters' shapes, pins, and a solve."""
+
+    mesh: Any
+
+    def param_shapes(self) -> dict[str, list[int]]: ...
+
+    def add_parameter_constraint(self, fqn: str, placements: Sequence[Any]) -> None: ...
+
+    def optimize_placement(self) -> Plan: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,7 @@ def matching_parameters(pattern: str, shapes: Mapping[str, Sequence[int]]) -> li
 
 
 def explain_placements(
-    autop: AutoParallel, params: Sequence[str], constrain: Callable[[], None]
+    autop: Replanner, params: Sequence[str], constrain: Callable[[], None]
 ) -> list[Alternative]:
     """Every placement of `params` on `autop`'s mesh, each solved with `constrain()` (which
     sets the explained plan's constraints afresh) plus that placement pinned on them."""
