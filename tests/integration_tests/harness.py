@@ -164,6 +164,19 @@ def run_launcher(
     )
 
 
+def start_launcher(dump: Path, nproc: int, args: list[str]) -> subprocess.Popen:
+    """`launcher_cmd` on one node started in the background from the repository, with
+    its stdout and stderr piped (`finish` waits for it and collects them)."""
+    return subprocess.Popen(
+        launcher_cmd(dump, nproc, [], args),
+        cwd=REPO,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def node_args(nnodes: int, node_rank: int, port: int, *extra: str) -> list[str]:
     return [
         "--nnodes",

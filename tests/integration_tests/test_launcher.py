@@ -14,26 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import launcher_env
 
 from torchtitan.autoparallel import Plan
 from torchtitan.launch import child_pids
 from torchtitan.tools.loss_compare import DEBUG_TOML, REPO
 
 FAST = ["--training.seq_len", "64", "--training.seed", "1", "--lr_scheduler.warmup_steps", "1"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONHASHSEED="0",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        PYTHONPATH=str(REPO / "tests" / "assets" / "custom_specs"),
-    )
-    env.pop("TORCHTITAN_ERROR_DIR", None)
-    env.update(extra)
-    return env
 
 
 def _launch_cmd(dump: Path, *args: str, nproc: int = 2) -> list[str]:
@@ -55,7 +42,12 @@ def _launch_cmd(dump: Path, *args: str, nproc: int = 2) -> list[str]:
 
 def _launch(dump: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _launch_cmd(dump, *args), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+        _launch_cmd(dump, *args),
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -165,7 +157,7 @@ def test_a_stopped_or_killed_rank_ends_the_job_soon_naming_the_cause(sig, patter
     proc = subprocess.Popen(
         _launch_cmd(tmp_path, "--training.steps", "1000", "--comm.train_timeout_seconds", "5"),
         cwd=REPO,
-        env=_env(),
+        env=launcher_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -245,7 +237,7 @@ def test_relative_paths_mean_the_directory_run_train_sh_is_run_from(tmp_path):
         [str(REPO / "run_train.sh"), *FAST, "--training.steps", "1"]
         + ["--job.dump_folder", "out", "--training.dataset_path", "data/docs.jsonl"],
         cwd=tmp_path,
-        env=_env(NGPU="1"),
+        env=launcher_env(NGPU="1"),
         capture_output=True,
         text=True,
         timeout=300,

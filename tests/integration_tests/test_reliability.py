@@ -12,15 +12,13 @@ import pytest
 from harness import (
     error_lines,
     finish,
-    launcher_cmd,
-    launcher_env,
     rank_output,
     run_launcher,
+    start_launcher,
     wait_for,
 )
 
 from torchtitan.components.checkpoint import verify_checkpoint
-from torchtitan.tools.loss_compare import REPO
 
 SHORT = ["--training.seq_len", "64"]
 
@@ -63,14 +61,7 @@ def test_divergence_without_checkpoints_says_nothing_was_saved(tmp_path):
 
 
 def test_a_second_job_on_the_same_dump_folder_is_refused_and_touches_nothing(tmp_path):
-    first = subprocess.Popen(
-        launcher_cmd(tmp_path, 2, [], [*SHORT, "--training.steps", "1000"]),
-        cwd=REPO,
-        env=launcher_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_launcher(tmp_path, 2, [*SHORT, "--training.steps", "1000"])
     try:
         wait_for(lambda: "step:  2" in rank_output(tmp_path), 240, "the first job's step 2")
         launcher_log = (tmp_path / "logs" / "launcher.log").read_text()

@@ -24,6 +24,7 @@ from harness import (
     node_args,
     rank_output,
     run_launcher,
+    start_launcher,
     wait_for,
 )
 
@@ -184,14 +185,7 @@ def test_a_whole_node_killed_rejoins_and_the_job_ends_bitwise_as_an_uninterrupte
     ],
 )
 def test_a_signal_without_checkpoints_is_one_line_and_128_plus_the_signal(sig, line, tmp_path):
-    proc = subprocess.Popen(
-        launcher_cmd(tmp_path, 2, [], ["--training.seq_len", "64", "--training.steps", "1000"]),
-        cwd=REPO,
-        env=launcher_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_launcher(tmp_path, 2, ["--training.seq_len", "64", "--training.steps", "1000"])
     try:
         wait_for(lambda: "step:  2" in rank_output(tmp_path), 240, "step 2")
         os.kill(proc.pid, sig)
@@ -205,14 +199,7 @@ def test_a_signal_without_checkpoints_is_one_line_and_128_plus_the_signal(sig, l
 
 
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
-    proc = subprocess.Popen(
-        launcher_cmd(tmp_path, 2, [], ["--training.seq_len", "64", "--training.steps", "1000"]),
-        cwd=REPO,
-        env=launcher_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_launcher(tmp_path, 2, ["--training.seq_len", "64", "--training.steps", "1000"])
     try:
         wait_for(lambda: "step:  2" in rank_output(tmp_path), 240, "step 2")
         ranks = child_pids(proc.pid)
