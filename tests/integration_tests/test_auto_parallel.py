@@ -185,6 +185,7 @@ def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train
 
 AP_SECTION = ["--job.custom_config_module", "torchtitan.experiments.auto_parallel.job_config"]
 W1_PATTERN = "layers.*.feed_forward.w1.weight"
+PLAN_FILE = "--autoparallel.plan_file"
 
 
 def _other_full_split(placement: str) -> str:
@@ -220,4 +221,34 @@ def test_a_pin_that_cannot_apply_is_one_line_before_ranks_start():
     assert why == (
         "--autoparallel.pin 'layers.*.mlp.w1.weight=S(0),R': no parameter matches "
         "'layers.*.mlp.w1.weight' (did you mean 'layers.0.feed_forward.w1.weight'?)"
+    )
+
+
+W2 = "feed_forward.w2.weight"
+
+
+def test_an_edited_plan_file_trains_as_one_rank(dp2_tp2_run, tmp_path, train_on_ranks):
+    """A run's cached plan with every block's w2 moved to another split: the trainer solves
+    again around the file's parameter placements, keeps them all, and matches one rank."""
+    (cached,) = (dp2_tp2_run.dump_folder / "plans").glob("*.json")
+    plan = json.loads(cached.read_text())
+    moved = _other_full_split(plan["params"][f"layers.0.{W2}"])
+    w2s = [n for n in plan["params"] if n.endswith(W2)]
+    plan["params"].update(dict.fromkeys(w2s, moved))
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(plan))
+    run = train_on_ranks(4, [*AUTO, *MESHES["dp2_tp2"], *AP_SECTION, PLAN_FILE, str(edited)])
+    assert f"edited.json: {len(w2s)} parameter placement(s) edited" in run.output
+    (solved,) = (run.dump_folder / "plans").glob("*.json")
+    assert json.loads(solved.read_text())["params"] == plan["params"]
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=f"auto dp2xtp2, plan file w2 {moved}")
+
+
+def test_a_plan_file_for_another_mesh_is_one_line_before_ranks_start(dp2_tp2_run):
+    (cached,) = (dp2_tp2_run.dump_folder / "plans").glob("*.json")
+    why = preflight(4, [*AUTO, *MESHES["dp4"], *AP_SECTION, PLAN_FILE, str(cached)])
+    assert why == (
+        f"{PLAN_FILE} {str(cached)!r} does not fit this job: made for mesh [2, 2] "
+        "['dp_shard', 'tp'], not [4] ['dp_shard']; plan again for it (scripts/plan.py, or a "
+        "run without a plan file) or fix the file"
     )

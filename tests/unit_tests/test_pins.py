@@ -21,8 +21,8 @@ from torchtitan.experiments.auto_parallel.pins import (
     PinRequest,
     match_pins,
     parse_pins,
-    pin_checker,
 )
+from torchtitan.experiments.auto_parallel.steering import steering_checker
 from torchtitan.models.llama3 import Transformer, llama3_configs
 from torchtitan.torch_private import planning_mesh
 
@@ -131,7 +131,7 @@ def test_a_split_leaving_ranks_empty_is_refused():
 def test_checked_before_ranks_start_against_the_real_model():
     args = llama3_configs["debugmodel"]
     dims = SimpleNamespace(dp_replicate=1, dp_shard=2, tp=2, ep=1)
-    check = pin_checker(Transformer)
+    check = steering_checker(Transformer)
     check(args, dims, _job("--autoparallel.pin", f"{W1}=S(0),S(0)"))  # fine
     with pytest.raises(
         UserInputError,

@@ -32,10 +32,12 @@ from torch.distributed.tensor import Placement
 from .cost.model import CostModel, resolve_cost_model
 from .errors import ConstraintError, PlannerError
 from .execute.apply import build_parallel_module, lowered_executor
+from .graph.placements import parse as parse_placements
 from .plan.cache import cached_or_solved
 from .plan.display import plan_table
 from .plan.expand import expand_plan
 from .plan.plan import Plan
+from .plan.plan_file import check_plan_file, edited_parameters, parse_plan_file, read_plan_text
 from .plan.report import solution_to_plan
 from .policies.recompute import check_setting as check_recompute_setting
 from .policies.recompute import solver_setting
@@ -369,6 +371,34 @@ class AutoParallel:
 
         text = on_rank0(plan_text) if broadcast else plan_text()
         return Plan.from_json(text)
+
+    def plan_from_file(
+        self, path: str | Path, broadcast: bool = False, cache_dir: str | Path | None = None
+    ) -> Plan:
+        """The plan in file `path` (`scripts/plan.py`'s plan.json, a run's cached plan,
+        possibly edited by hand), after the constraints are set: checked against this
+        model, mesh and constraints (a `PlannerError` naming the first difference), then
+        returned as written, or, when its parameter placements were edited, solved again
+        with every parameter pinned where the file puts it (plan/plan_file.py).
+        `broadcast` and `cache_dir` as for `optimize_placement` (rank 0 reads the file)."""
+        self._require_entered()
+        text = on_rank0(lambda: read_plan_text(path)) if broadcast else read_plan_text(path)
+        plan = parse_plan_file(text, path)
+        check_plan_file(plan, self.problem(), path)
+        edited = edited_parameters(plan)
+        if not edited:
+            log.info("plan file %s: applied as written", path)
+            return plan
+        log.info(
+            "plan file %s: %d parameter placement(s) edited (%s, ...): solving again with "
+            "every parameter pinned where the file puts it",
+            path,
+            len(edited),
+            edited[0],
+        )
+        for fqn, placement in plan.params.items():
+            self.add_parameter_constraint(fqn, parse_placements(placement))
+        return self.optimize_placement(broadcast=broadcast, cache_dir=cache_dir)
 
     def _solve(self, problem: PlanningProblem, verbose: bool) -> Plan:
         sol = PlacementSolver(problem).solve(verbose)

@@ -3,9 +3,10 @@
 `cached_or_solved(problem, folder, solve)` returns the text of `folder/<key>.json` when that
 file holds a plan this model and mesh can run (`Plan.check_applicable`), else solves,
 writes the file atomically (temporary name, rename) and returns the new plan.  A file that
-is truncated, edited or impossible is named in a warning and replaced, never applied.  The
-key hashes the traced graph, the mesh, every constraint (pins, budgets), the precision,
-the cost model and the torch version.
+is truncated, impossible or edited by hand is named in a warning and replaced, never
+applied (an edited plan is trained with through a plan file: plan_file.py).  The key
+hashes the traced graph (its ops, the parameters' and inputs' shapes), the mesh, every
+constraint (pins, budgets), the precision, the cost model and the torch version.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..errors import PlannerError
 from ..graph import placements as P
 from ..solve.problem import PlanningProblem
 from .plan import Plan, graph_fingerprint
+from .plan_file import edited_parameters
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,9 @@ def plan_key(problem: PlanningProblem) -> str:
     ]
     blob = json.dumps(
         {
-            "graph": graph_fingerprint(problem.tg.gm),
+            "graph": graph_fingerprint(problem.tg.gm),  # ops only: the shapes follow
+            "param_shapes": {f: list(s) for f, s in problem.model.param_shapes.items()},
+            "input_shapes": [list(n.meta["val"].shape) for n in problem.tg.inputs],
             "mesh": [list(problem.mesh.shape), list(problem.mesh.mesh_dim_names or ())],
             "constraints": constraints,
             "precision": [str(problem.param_dtype), str(problem.reduce_dtype)],
@@ -68,9 +72,12 @@ def _usable(problem: PlanningProblem, path: Path) -> str | None:
     try:
         text = path.read_text()
         shapes = {fqn: tuple(s) for fqn, s in problem.model.param_shapes.items()}
-        Plan.from_json(text).check_applicable(
+        plan = Plan.from_json(text)
+        plan.check_applicable(
             shapes, list(problem.mesh.shape), list(problem.mesh.mesh_dim_names or ())
         )
+        if edited := edited_parameters(plan):
+            raise PlannerError(f"{edited[0]} was edited by hand")
     except (OSError, UnicodeDecodeError, PlannerError) as e:
         log.warning("cached plan %s is unusable (%s); planning again and replacing it", path, e)
         return None

@@ -79,8 +79,9 @@ class Plan:
         mesh_dim_names: list[str],
     ) -> None:
         """Raise `PlannerError` unless this plan fits these parameters and this mesh: same
-        mesh, every parameter placed, every placement readable and leaving no shard
-        empty (what a plan read from a file must pass before it is applied)."""
+        mesh, every parameter placed and of the shape it was planned for, every placement
+        readable and leaving no shard empty (what a plan read from a file must pass
+        before it is applied)."""
         from ..errors import ConstraintError
         from ..graph.placements import is_valid, parse
 
@@ -98,6 +99,11 @@ class Plan:
             for fqn, text in self.params.items():
                 if fqn not in param_shapes:
                     raise PlannerError(f"places unknown parameter {fqn}")
+                made_for = self.param_shapes.get(fqn)
+                if made_for is not None and tuple(made_for) != tuple(param_shapes[fqn]):
+                    raise PlannerError(
+                        f"made for {fqn} of shape {list(made_for)}, not {list(param_shapes[fqn])}"
+                    )
                 pl = parse(text)
                 if len(pl) != len(mesh_shape) or not is_valid(param_shapes[fqn], pl, mesh_shape):
                     raise PlannerError(

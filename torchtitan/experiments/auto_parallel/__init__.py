@@ -8,7 +8,7 @@ import dataclasses
 
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
-from torchtitan.experiments.auto_parallel.pins import pin_checker
+from torchtitan.experiments.auto_parallel.steering import steering_checker
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 
@@ -19,6 +19,6 @@ def get_train_spec():
         base,
         name="llama3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
-        check_parallelism_fn=pin_checker(base.model_cls),
+        check_parallelism_fn=steering_checker(base.model_cls),
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -9,7 +9,7 @@ import dataclasses
 
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_hf_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_hf_auto
-from torchtitan.experiments.auto_parallel.pins import pin_checker
+from torchtitan.experiments.auto_parallel.steering import steering_checker
 from torchtitan.models.hf_causal_lm import HFConfigFlavors, build_hf_causal_lm
 from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
@@ -19,7 +19,7 @@ def get_train_spec():
         _llama3_spec(),
         name="hf_auto_parallel",
         parallelize_fn=parallelize_hf_auto,
-        check_parallelism_fn=pin_checker(build_hf_causal_lm),
+        check_parallelism_fn=steering_checker(build_hf_causal_lm),
         choose_mesh_fn=choose_mesh_hf_auto,
         model_cls=build_hf_causal_lm,
         flavors=HFConfigFlavors(),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan.config.manager import ConfigError
+from torchtitan.errors import UserInputError
 
 
 @dataclass
@@ -52,16 +53,40 @@ class AutoParallelConfig:
     (dp_shard, tp) mesh.  The solver chooses everything else around them.  Needs fixed
     degrees (no auto)."""
 
+    plan_file: str = ""
+    """Train with this plan (JSON) instead of planning: `scripts/plan.py`'s plan.json or a
+    plan an earlier run cached under {dump_folder}/plans/, possibly edited by hand.  It is
+    checked against the model, mesh and constraints first (a mismatch names the first
+    difference); applied as written, or, if its `params` were edited, solved again with
+    every parameter where the file puts it.  Needs fixed degrees (no auto)."""
+
     def validate(self, job_config: Any) -> None:
         from torchtitan.autoparallel.cost.model import DEVICES
         from torchtitan.distributed.parallel_dims import mesh_search_requested
         from torchtitan.experiments.auto_parallel.pins import OPTION, parse_pins
+        from torchtitan.experiments.auto_parallel.steering import read_plan_file
 
         if parse_pins(self.pin) and mesh_search_requested(job_config.parallelism):
             raise ConfigError(
                 f"{OPTION}: pins give one placement per mesh dim, so they need a fixed mesh; "
                 "give every --parallelism degree instead of auto (or drop the pins)"
             )
+
+        if self.plan_file:
+            if mesh_search_requested(job_config.parallelism):
+                raise ConfigError(
+                    "--autoparallel.plan_file: a plan is made for one mesh; give every "
+                    "--parallelism degree instead of auto (or drop the plan file)"
+                )
+            if parse_pins(self.pin):
+                raise ConfigError(
+                    f"--autoparallel.plan_file and {OPTION}: a plan file places every "
+                    "parameter already; edit its params instead of pinning"
+                )
+            try:
+                read_plan_file(self.plan_file)
+            except UserInputError as e:
+                raise ConfigError(str(e)) from None
 
         if self.cost_model != "auto" and self.cost_model.lower() not in DEVICES:
             raise ConfigError(

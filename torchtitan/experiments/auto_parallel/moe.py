@@ -10,7 +10,7 @@ import dataclasses
 
 from torchtitan.experiments.auto_parallel.mesh_choice import choose_mesh_llama_auto
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
-from torchtitan.experiments.auto_parallel.pins import pin_checker
+from torchtitan.experiments.auto_parallel.steering import steering_checker
 from torchtitan.models.deepseek_v3 import get_train_spec as _moe_spec
 
 
@@ -21,6 +21,6 @@ def get_train_spec():
         name="deepseek_v3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
         # the planner places any mesh (config/resolve.py checks EP); only pins are checked
-        check_parallelism_fn=pin_checker(base.model_cls),
+        check_parallelism_fn=steering_checker(base.model_cls),
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -10,9 +10,10 @@ under the memory budget.
 
 Planning happens once, on rank 0, and the plan is broadcast (a time-limited solve could
 differ between ranks).  It is cached as JSON under `{dump_folder}/plans/` (the library's
-plan_cache.py: keyed by the traced graph, mesh, constraints, precision and cost model) and
-reused on restart, unless `--autoparallel.no_plan_cache`; `[autoparallel]`
-(job_config.py) holds the planner's other settings.  When the mesh search chose the mesh
+plan/cache.py: keyed by the traced graph, mesh, constraints, precision and cost model) and
+reused on restart, unless `--autoparallel.no_plan_cache`; with `--autoparallel.plan_file`
+the plan comes from that file instead (steering.py); `[autoparallel]` (job_config.py)
+holds the planner's other settings.  When the mesh search chose the mesh
 (mesh_choice.py), its plan for that mesh comes with it (`SearchedPlan`) and is applied
 from the search's own trace: the chosen mesh is neither traced nor solved again.
 """
@@ -45,6 +46,7 @@ from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
 from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits
 from torchtitan.experiments.auto_parallel.pins import job_pins, match_pins
+from torchtitan.experiments.auto_parallel.steering import job_plan_file
 from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
 
@@ -251,7 +253,10 @@ def _parallelize(
         with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
             add_job_constraints(autop, names, loss_parallel, job_config)
             cache_dir = plan_cache_folder(job_config)
-            plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir)
+            if path := job_plan_file(job_config):
+                plan = autop.plan_from_file(path, broadcast=True, cache_dir=cache_dir)
+            else:
+                plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir)
             check_plan_fits(plan)
             parallel_model = autop.apply_placement(plan)
             layout = autop.cost_model.node_layout(mesh.shape, names)

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.tensor import Placement, Shard
 
 from torchtitan.autoparallel.errors import ConstraintError
 from torchtitan.autoparallel.graph import placements as P
-from torchtitan.distributed.parallel_dims import mesh_dims
 from torchtitan.errors import UserInputError
 
 OPTION = "--autoparallel.pin"
@@ -133,20 +131,3 @@ def job_pins(job_config: Any) -> list[PinRequest]:
     """The pins of the job's `[autoparallel]` section (none without the section)."""
     section = getattr(job_config, "autoparallel", None)
     return parse_pins(getattr(section, "pin", "") or "")
-
-
-def pin_checker(model_cls: Callable[[Any], torch.nn.Module]) -> Callable[..., None]:
-    """A `TrainSpec.check_parallelism_fn` that checks the job's pins against the model's
-    parameters (built on the meta device) and the mesh the degrees make."""
-
-    def check(model_args: Any, dims: Any, job_config: Any) -> None:
-        requests = job_pins(job_config)
-        if not requests:
-            return
-        with torch.device("meta"):
-            model = model_cls(model_args)
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        mesh = mesh_dims(dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep)
-        match_pins(requests, shapes, mesh)
-
-    return check
