@@ -155,3 +155,74 @@ def test_the_plan_cache_replaces_a_plan_edited_in_place(solved, tmp_path, caplog
             again = cached_or_solved(problem, tmp_path, lambda: plan)
     assert "w1.weight was edited by hand" in caplog.text
     assert again == plan.to_json() == path.read_text()
+
+
+# ---- the trainer's option, checked before any rank starts ------------------------------
+def _job(*argv: str, tp: str = "2"):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(
+        [
+            "--job.custom_config_module",
+            "torchtitan.experiments.auto_parallel.job_config",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            tp,
+            *argv,
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--autoparallel.plan_file", "{plan}"],
+            "--autoparallel.plan_file: a plan is made for one mesh; give every --parallelism "
+            "degree instead of auto (or drop the plan file)",
+        ),
+        (
+            ["--autoparallel.plan_file", "{plan}", "--autoparallel.pin", "w1.weight=R,R"],
+            "--autoparallel.plan_file and --autoparallel.pin: a plan file places every "
+            "parameter already; edit its params instead of pinning",
+        ),
+        (
+            ["--autoparallel.plan_file", "{absent}"],
+            "--autoparallel.plan_file: plan file '{absent}': cannot be read",
+        ),
+    ],
+    ids=["auto-mesh", "with-pins", "absent"],
+)
+def test_the_option_is_refused_when_the_config_is_validated(solved, tmp_path, argv, message):
+    from torchtitan.config.validate import validate_job_config
+    from torchtitan.errors import UserInputError
+
+    where = {"plan": str(solved[1]), "absent": str(tmp_path / "absent.json")}
+    job = _job(*(a.format(**where) for a in argv), tp="auto" if "mesh" in message else "2")
+    with pytest.raises(UserInputError) as err:
+        validate_job_config(job)
+    assert str(err.value).startswith(message.format(**where))
+
+
+def test_checked_against_the_model_and_mesh_before_ranks_start(solved):
+    from types import SimpleNamespace
+
+    from torchtitan.errors import UserInputError
+    from torchtitan.experiments.auto_parallel.steering import steering_checker
+
+    plan, path = solved
+    check = steering_checker(lambda args: SwiGLU(**args))
+    on_2x2 = SimpleNamespace(dp_replicate=1, dp_shard=2, tp=2, ep=1)
+    fine = json.loads(path.read_text())
+    fine["mesh_dim_names"] = ["dp_shard", "tp"]  # the trainer's names for this mesh
+    path.with_name("trainer.json").write_text(json.dumps(fine))
+    trainer_plan = str(path.with_name("trainer.json"))
+    check({}, on_2x2, _job("--autoparallel.plan_file", trainer_plan))
+    with pytest.raises(UserInputError) as err:
+        check({"hidden": 48}, on_2x2, _job("--autoparallel.plan_file", trainer_plan))
+    assert str(err.value) == (
+        f"--autoparallel.plan_file {trainer_plan!r} does not fit this job: made for w1.weight "
+        "of shape [64, 32], not [48, 32]; plan again for it (scripts/plan.py, or a run "
+        "without a plan file) or fix the file"
+    )
