@@ -17,7 +17,9 @@ parameters again in the backward), `reshard always` and `no reshard` (every bloc
 automatic plan chooses its own recomputation per block (`--recompute auto`) and which
 blocks gather again (`--reshard auto`) under the memory budget.
 Writes `plan.json` and `plan.html` (which tensor dim is split on which mesh dim, parameter by
-parameter, layer by layer) into `--out-dir`.
+parameter, layer by layer, and per parameter group why: the collectives its placement
+implies and what the hand-written plans and `--explain`'s alternatives that place it
+otherwise predict) into `--out-dir`.
 
 `--mesh auto` with `--world N` first plans every (dp, tp) split of the world that the model
 allows (tp divides heads, kv-heads, dim, SwiGLU width, vocabulary and sequence; tp within a
@@ -263,6 +265,7 @@ def mesh_candidates(world: int, args, batch: int, a):
 # ---------------------------------------------------------------------------- main
 def run(a) -> int:
     from torchtitan.autoparallel.plan.display import collapse, describe, summary_line, write_html
+    from torchtitan.autoparallel.plan.reasons import group_reasons
     from torchtitan.models.llama3.baseline_plans import dp_dim, fsdp_plan, fsdp_tp_plan, tp_dim
 
     shape, names = validate(a)
@@ -374,9 +377,11 @@ def run(a) -> int:
             f"  build {autop.timings['build']:.2f}s, solve {autop.timings['solve']:.2f}s; "
             f"automatic plan after {plan_s:.2f}s"
         )
-        explained = None
+        explained, alternatives = None, {}
         if a.explain:
-            explained = explain(a.explain, autop, plans["auto"], lambda: constrain(autop, names))
+            explained, alternatives = explain(
+                a.explain, autop, plans["auto"], lambda: constrain(autop, names)
+            )
         if not a.no_baselines:
             pshapes = autop.param_shapes()
             baselines = []
@@ -484,6 +489,9 @@ def run(a) -> int:
         shape,
         f"llama3 {a.flavor} on {'x'.join(map(str, shape))} ({','.join(names)}), {a.device}",
         search=search,
+        reasons=group_reasons(
+            auto, {**{k: v for k, v in plans.items() if k != "auto"}, **alternatives}
+        ),
     )
     written = ["plan.json", "baselines.json", "plan.html", "summary.json"]
     if search is not None:
@@ -512,8 +520,9 @@ def run(a) -> int:
     return 0
 
 
-def explain(pattern: str, autop, auto, constrain) -> str:
-    """`--explain PATTERN`: the table of what each placement of those parameters would do."""
+def explain(pattern: str, autop, auto, constrain) -> tuple[str, dict]:
+    """`--explain PATTERN`: the table of what each placement of those parameters would do,
+    and each solved alternative's plan by label ("PATTERN at PLACEMENT")."""
     from torchtitan.autoparallel.plan.explain import (
         explain_placements,
         explanation_table,
@@ -525,11 +534,13 @@ def explain(pattern: str, autop, auto, constrain) -> str:
     _progress(f"  explaining {pattern}: {len(params)} parameter(s), one solve per placement ...")
     alternatives = explain_placements(autop, params, constrain)
     shape = tuple(autop.param_shapes()[params[0]])
-    return (
+    text = (
         f"\n== why {pattern} ({len(params)} parameter(s) of shape {shape}) is {chosen}: "
         "the plan solved again with each placement pinned\n"
         + explanation_table(chosen, alternatives)
     )
+    solved = {f"{pattern} at {x.placement}": x.plan for x in alternatives if x.plan is not None}
+    return text, solved
 
 
 def diff(paths: list[str]) -> int:

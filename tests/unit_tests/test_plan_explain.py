@@ -104,3 +104,37 @@ def test_a_pattern_naming_nothing_or_several_shapes_is_refused():
         matching_parameters("w4.weight", shapes)
     with pytest.raises(ConstraintError, match="parameters of different shapes"):
         matching_parameters("w*.weight", shapes)
+
+
+def test_the_html_page_gives_each_group_its_collectives_and_top_reasons(tmp_path):
+    from torchtitan.autoparallel.plan.display import write_html
+    from torchtitan.autoparallel.plan.reasons import group_reasons, implied_collectives
+
+    with _planner() as autop:
+        _constrain(autop, high=1.0)  # no parameter budget: every placement possible
+        chosen = autop.optimize_placement()
+        rows = explain_placements(autop, ["w2.weight"], lambda: _constrain(autop, high=1.0))
+    others = {f"w2 at {r.placement}": r.plan for r in rows if r.plan is not None}
+    reasons = group_reasons(chosen, others, top=2)
+    assert set(reasons) == {"w2.weight 32x64"}  # only w2 is placed otherwise elsewhere
+    beaten_most = sorted(
+        (p for p in others.values() if p.params["w2.weight"] != chosen.params["w2.weight"]),
+        key=lambda p: -p.predicted["step_us"],  # the placements the choice beats most
+    )[:2]
+    got = reasons["w2.weight 32x64"]
+    assert [r.step_us[1] for r in got] == [p.predicted["step_us"] for p in beaten_most]
+    assert [r.placement for r in got] == [p.params["w2.weight"] for p in beaten_most]
+    assert got[0].group_comm_us == (
+        chosen.param_comm_us["w2.weight"],
+        beaten_most[0].param_comm_us["w2.weight"],
+    )
+    fsdp_like = P.fmt((Shard(0), Replicate()))
+    fsdp_plan = others[f"w2 at {fsdp_like}"]
+    assert implied_collectives(fsdp_plan, "w2.weight") == (
+        "dp: all-gather, gradient reduce-scatter; tp: used whole"
+    )
+    write_html(tmp_path / "plan.html", {"auto": chosen}, ["dp", "tp"], [2, 2], "t", None, reasons)
+    page = (tmp_path / "plan.html").read_text()
+    assert "why each group is placed as it is" in page
+    assert f"vs w2 at {got[0].placement}: step" in page
+    assert page.count("every other plan places it the same way") == 2  # w1, w3

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from ..policies.recompute import describe_policies
 from ..policies.regather import describe_units
 from ..trace.repeat import name_pattern
 from .plan import Plan
+from .reasons import Reason, implied_collectives, parameter_groups
 
 
 def collapse(
@@ -124,9 +125,12 @@ def write_html(
     mesh_shape: Sequence[int],
     title: str,
     search: Any = None,  # a mesh_search.MeshSearch
+    reasons: Mapping[str, Sequence[Reason]] | None = None,
 ) -> None:
     """One page: the mesh search's candidates if there was one, then per plan its summary
-    line and a table of every parameter's placement per mesh dim, split dims coloured."""
+    line and a table of every parameter's placement per mesh dim, split dims coloured; with
+    `reasons` (reasons.py, about the first plan) a table of why each group of the first
+    plan is placed as it is."""
     colors = ["#e6f2ff", "#ffe0b3", "#c6f0c6", "#f0c6f0", "#fff3a0", "#d0d0ff"]
 
     def cell(pl_item: str) -> str:
@@ -150,8 +154,10 @@ def write_html(
     ]
     if search is not None:
         out.append(mesh_search_html(search))
-    for label, plan in plans.items():
+    for i, (label, plan) in enumerate(plans.items()):
         out.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(summary_line(label, plan))}</p>")
+        if i == 0 and reasons is not None:
+            out.append(_reasons_html(plan, reasons))
         out.append(
             "<table><tr><th>parameter</th><th>shape</th>"
             + "".join(f"<th>{html.escape(n)} ({s})</th>" for n, s in zip(names, mesh_shape))
@@ -166,6 +172,24 @@ def write_html(
             )
         out.append("</table>")
     path.write_text("\n".join(out))
+
+
+def _reasons_html(plan: Plan, reasons: Mapping[str, Sequence[Reason]]) -> str:
+    """Per parameter group: its placement, the collectives it implies, the top reasons."""
+    rows = [
+        "<h3>why each group is placed as it is</h3><table><tr><th>parameter group</th>"
+        "<th>placement</th><th>collectives it implies</th><th>against the fastest other plan "
+        "per other placement: predicted step, and this group's own redistributions</th></tr>"
+    ]
+    for group, fqns in parameter_groups(plan).items():
+        why = "<br>".join(html.escape(str(r)) for r in reasons.get(group, ())) or (
+            "every other plan places it the same way"
+        )
+        rows.append(
+            f"<tr><td>{html.escape(group)}</td><td>{html.escape(plan.params[fqns[0]])}</td>"
+            f"<td>{html.escape(implied_collectives(plan, fqns[0]))}</td><td>{why}</td></tr>"
+        )
+    return "\n".join([*rows, "</table>"])
 
 
 def plan_summary(plan: Plan) -> str:
