@@ -13,7 +13,8 @@ from torchtitan.models.llama3 import get_train_spec as _llama3_spec
 
 
 def get_train_spec():
-    # The planner places uneven shards, so any mesh is accepted; only pins are checked.
+    # The planner places uneven shards, so any mesh is accepted; only pins and a plan file
+    # are checked.
     base = _llama3_spec()
     return dataclasses.replace(
         base,
