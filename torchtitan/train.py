@@ -29,12 +29,13 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.preemption import Preemption
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.config.job_config import Comm
-from torchtitan.config.resolve import resolve, resolve_model_args, search_mesh
+from torchtitan.config.resolve import pipeline_plan, resolve, resolve_model_args, search_mesh
 from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
 from torchtitan.distributed.init_check import every_value_initialised
 from torchtitan.distributed.parallel_dims import mesh_search_requested
+from torchtitan.distributed.pipeline import PipelineStages, split_stages
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.protocols.model import ModelProtocol
@@ -114,12 +115,16 @@ class Trainer:
         )
 
         apply_inductor_comms_knobs(job_config.compile)  # before anything is compiled
-        self.model = model = self._parallel_model(model, mesh_choice)
+        self.loss_fn = spec.build_loss_fn(job_config)
+        self.pipeline: PipelineStages | None = None
+        if self.parallel_dims.pp_enabled:
+            self.model_parts = self._pipeline_stages(model, model_args)
+        else:
+            self.model_parts = [self._parallel_model(model, mesh_choice)]
         del mesh_choice  # the search's planner and trace are not needed past this point
 
-        self.optimizers = spec.build_optimizers_fn([model], job_config)
+        self.optimizers = spec.build_optimizers_fn(self.model_parts, job_config)
         self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job_config)
-        self.loss_fn = spec.build_loss_fn(job_config)
         self.metrics = MetricsProcessor(
             job_config,
             self.device.type,
@@ -130,7 +135,7 @@ class Trainer:
         self.step = 0
         self.checkpointer = CheckpointManager(
             dataloader=self.dataloader,
-            model_parts=[self.model],
+            model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self},
@@ -162,6 +167,45 @@ class Trainer:
         model.train()
         return model
 
+    def _pipeline_stages(self, model: nn.Module, model_args) -> list[nn.Module]:
+        """This rank's pipeline stages of the meta `model` (distributed/pipeline.py), each
+        parallelised by the spec like a whole model and initialised with the values one
+        process gives it; the schedule that runs them is `self.pipeline`."""
+        spec, job_config, dims = self.train_spec, self.job_config, self.parallel_dims
+        plan = pipeline_plan(spec, model_args, job_config, dims.pp)
+        pp_mesh = dims.pp_mesh()
+        assert spec.pipeline_split is not None and pp_mesh is not None  # checked by resolve
+        pipeline = split_stages(model, spec.pipeline_split, plan, pp_mesh.get_local_rank(), dims.pp)
+        cuda = [self.device.index] if self.device.type == "cuda" else []
+        for i, part in enumerate(pipeline.parts):
+            part = spec.parallelize_fn(part, dims, job_config)
+            pipeline.parts[i] = part
+            part.to_empty(device=self.device)
+            last = i == len(pipeline.parts) - 1  # every part draws from the same state
+            with (
+                contextlib.nullcontext() if last else torch.random.fork_rng(devices=cuda),
+                torch.no_grad(),
+                every_value_initialised(part, reduce=False),  # stages differ in their values
+                pipeline.whole_model(i, self.device) as whole,
+                exact_sharded_init(whole),
+            ):
+                cast(ModelProtocol, whole).init_weights()
+            part.train()
+        grad_accumulation = self.resolved.grad_accumulation_steps
+
+        def microbatch_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            # the schedule averages the microbatches' gradients itself (scale_grads)
+            return self.loss_fn(pred, labels) / grad_accumulation
+
+        pipeline.start(self.device, pp_mesh.get_group(), microbatch_loss)
+        logger.info(
+            f"pipeline: {plan.schedule}, {plan.stages} stages of "
+            f"{'/'.join(str(len(b)) for b in plan.blocks)} blocks, {plan.microbatches} "
+            f"microbatches; this rank holds stages {pipeline.stage_ids}"
+        )
+        self.pipeline = pipeline
+        return pipeline.parts
+
     def state_dict(self) -> dict[str, Any]:
         """The loop's own checkpointed state (plain values only)."""
         return {"step": self.step}
@@ -188,13 +232,21 @@ class Trainer:
         for _ in range(self.grad_accumulation_steps):
             tokens, labels = next(data_iter)
             with self.train_context():
-                loss = self.loss_fn(self.model(tokens), labels) / self.grad_accumulation_steps
-                loss.backward()
-            if isinstance(loss, DTensor):  # loss parallel: a replicated scalar
-                loss = loss.full_tensor()
-            step_loss += loss.detach()
+                if self.pipeline is not None:
+                    losses = self.pipeline.step(tokens, labels)
+                    loss = torch.stack([_full(x) for x in losses]).mean() if losses else None
+                else:
+                    loss = self.loss_fn(self.model_parts[0](tokens), labels)
+                    loss = loss / self.grad_accumulation_steps
+                    loss.backward()
+            if loss is not None:
+                step_loss += _full(loss).detach()
+        if self.pipeline is not None:  # the loss is on the last stage's ranks: share it
+            step_loss = dist_utils.pipeline_sum(step_loss, self.parallel_dims.pp_mesh())
         grad_norm = dist_utils.clip_grad_norm_(
-            self.model.parameters(), self.job_config.training.max_norm
+            [p for part in self.model_parts for p in part.parameters()],
+            self.job_config.training.max_norm,
+            pp_mesh=self.parallel_dims.pp_mesh(),
         )
         avg = dist_utils.dist_reduce(step_loss, "avg", self.dp_mesh)
         mx = dist_utils.dist_reduce(step_loss, "max", self.dp_mesh)
@@ -259,6 +311,11 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
+
+
+def _full(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain scalar (loss parallelism makes it a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class CollectiveTimeoutError(RuntimeError):

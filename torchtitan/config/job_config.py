@@ -173,6 +173,25 @@ class Parallelism:
     disable_loss_parallel: bool = False
     """With TP, compute the loss on the full (gathered) logits instead of sharded logits."""
 
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree: the model's blocks split into consecutive stages over this
+    many ranks (the outermost mesh dim), microbatches flowing through them by the schedule
+    below; 1 disables it.  Hand-written specs that know their model's split only (llama3)."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """The pipelining schedule, by torch.distributed.pipelining's name: one stage per rank
+    (GPipe, 1F1B) or several (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble)."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per microbatch; it must divide the local batch size, and the schedule
+    runs local batch / microbatch size microbatches per step."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Blocks per pipeline stage (it must divide the blocks); none: the blocks split as
+    evenly as they go over the stages the schedule runs (one per rank, or two for the
+    schedules with several), the middle stages taking any left over."""
+
 
 @dataclass
 class Checkpoint:

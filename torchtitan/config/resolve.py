@@ -18,6 +18,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from torchtitan.config.job_config import JobConfig, Parallelism, Training
 from torchtitan.distributed.parallel_dims import (
     AUTO,
@@ -27,6 +29,7 @@ from torchtitan.distributed.parallel_dims import (
     ParallelismConfigError,
     check_search_degrees,
 )
+from torchtitan.distributed.pipeline import StagePlan, plan_stages
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.train_spec import MeshChoice, TrainSpec
@@ -50,6 +53,8 @@ class ResolvedConfig:
     """The degrees are the spec's mesh search's choice (some were typed as `auto`)."""
     ep: int
     """Expert-parallel degree (carved from the shard ranks)."""
+    pp: int
+    """Pipeline-parallel degree (the outermost mesh dim)."""
     job_config: JobConfig = field(compare=False, repr=False)
     """A copy of the user's config with the values above written in: what the spec's
     builders (dataloader, `parallelize_fn`, ...) read.  The user's own is left as typed."""
@@ -67,20 +72,29 @@ class ResolvedConfig:
             world_size=self.world_size,
             enable_loss_parallel=not self.job_config.parallelism.disable_loss_parallel,
             ep=self.ep,
+            pp=self.pp,
         )
 
     def mesh_label(self) -> str:
+        if self.pp > 1:
+            return (
+                f"{self.pp}x{self.dp_replicate}x{self.dp_shard}x{self.tp} "
+                "(pp x replicate x shard x tp)"
+            )
         return f"{self.dp_replicate}x{self.dp_shard}x{self.tp} (replicate x shard x tp)"
 
     def describe(self, user: JobConfig) -> str:
         """One line: the resolved values, and what the user typed for them."""
         search = " (mesh search)" if self.mesh_searched else ""
         return (
-            f"resolved config: replicate {self.dp_replicate} x shard {self.dp_shard} x "
+            f"resolved config: {self._pp()}replicate {self.dp_replicate} x shard {self.dp_shard} x "
             f"tp {self.tp}{self._ep()}{search}, local batch {self.local_batch_size}, global batch "
             f"{self.global_batch_size}, grad accumulation {self.grad_accumulation_steps} "
             f"(as typed: {_typed(user)})"
         )
+
+    def _pp(self) -> str:
+        return f"pp {self.pp} x " if self.pp > 1 else ""
 
     def _ep(self) -> str:
         return f" (ep {self.ep} of the shard ranks)" if self.ep > 1 else ""
@@ -101,6 +115,32 @@ def check_expert_parallel(model_args: BaseModelArgs, ep: int, model: str) -> Non
             f"--parallelism.expert_parallel_degree {ep} does not divide the {experts} routed "
             f"experts of {model}"
         )
+
+
+def pipeline_plan(
+    spec: TrainSpec, model_args: BaseModelArgs, job_config: JobConfig, pp: int
+) -> StagePlan:
+    """The pipeline stages of this job (`pp` > 1), or a `UserInputError` naming the option:
+    a spec that cannot pipeline, blocks or microbatches that do not split as asked, a
+    schedule torch does not have."""
+    p = job_config.parallelism
+    option = f"--parallelism.pipeline_parallel_degree {pp}"
+    if spec.pipeline_split is None:
+        raise UserInputError(
+            f"{option}: {spec.name} cannot be pipelined (its spec names no pipeline split); "
+            "use llama3, or pipeline_parallel_degree 1"
+        )
+    with torch.device("meta"):
+        blocks = len(getattr(spec.model_cls(model_args), spec.pipeline_split.blocks))
+    return plan_stages(
+        blocks,
+        pp,
+        p.pipeline_parallel_schedule,
+        p.pipeline_parallel_layers_per_stage,
+        job_config.training.local_batch_size,
+        p.pipeline_parallel_microbatch_size,
+        f"{job_config.model.name} {job_config.model.flavor}",
+    )
 
 
 def _typed(user: JobConfig) -> str:
@@ -209,6 +249,7 @@ def resolve(
             world_size=world_size,
             enable_loss_parallel=not parallelism.disable_loss_parallel,
             ep=degrees.get("ep", 1),
+            pp=parallelism.pipeline_parallel_degree,
         )
         global_batch = search_global_batch(job_config.training, world_size)
         run.training.local_batch_size = global_batch // dims.dp_degree
@@ -217,6 +258,8 @@ def resolve(
         setattr(run.parallelism, option, getattr(dims, name))
     run.parallelism.expert_parallel_degree = dims.ep
     check_expert_parallel(model_args, dims.ep, f"{job_config.model.name} {job_config.model.flavor}")
+    if dims.pp > 1:
+        pipeline_plan(spec, model_args, run, dims.pp)
     if spec.check_parallelism_fn is not None:
         spec.check_parallelism_fn(model_args, dims, run)
     steps = grad_accumulation_steps(run.training, dims.dp_degree)
@@ -232,5 +275,6 @@ def resolve(
         grad_accumulation_steps=steps,
         mesh_searched=mesh_choice is not None,
         ep=dims.ep,
+        pp=dims.pp,
         job_config=run,
     )

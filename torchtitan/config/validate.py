@@ -15,6 +15,7 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
+from torchtitan.distributed.parallel_dims import mesh_search_requested
 from torchtitan.tools.logging import logger
 
 
@@ -59,6 +60,19 @@ def _check_training(cfg: JobConfig) -> None:
         raise ConfigError(f"--training.max_norm: must be a finite number, got {t.max_norm}")
 
 
+def _check_pipeline(cfg: JobConfig) -> None:
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return
+    _at_least(p, "parallelism", "pipeline_parallel_degree", 1)
+    if mesh_search_requested(p):
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}: the mesh "
+            "search does not choose around pipeline stages yet; give every other degree "
+            "instead of auto"
+        )
+
+
 def _check_optimizer(cfg: JobConfig) -> None:
     o = cfg.optimizer
     _number_in(o, "optimizer", "lr", 0.0, math.inf, high_open=True)
@@ -101,6 +115,7 @@ def _check_outputs(cfg: JobConfig) -> None:
 def validate_job_config(cfg: JobConfig) -> None:
     """Raise `ConfigError` for the first option whose value no run could use."""
     _check_training(cfg)
+    _check_pipeline(cfg)
     _check_optimizer(cfg)
     _check_schedule(cfg)
     _check_outputs(cfg)

@@ -11,12 +11,14 @@ from torch.distributed.tensor import DTensor
 
 
 @contextlib.contextmanager
-def every_value_initialised(model: nn.Module) -> Iterator[None]:
+def every_value_initialised(model: nn.Module, reduce: bool = True) -> Iterator[None]:
     """Around `init_weights` after `to_empty`: fill every floating parameter and buffer with
     NaN first, and afterwards raise naming those the init left untouched.  A model whose
     constructor sets a value that its `init_weights` does not (transformers' OpenAI-GPT
     `Conv1D`, Apertus' activation parameters) would otherwise train from whatever memory
-    `to_empty` handed out — different on every run and every rank.  One all-reduce."""
+    `to_empty` handed out — different on every run and every rank.  One all-reduce, so every
+    rank names the same values (`reduce=False`: each rank checks its own, for ranks that
+    hold different parameters, like pipeline stages)."""
     import torch.distributed as dist
 
     from torchtitan.errors import UserInputError
@@ -37,7 +39,7 @@ def every_value_initialised(model: nn.Module) -> Iterator[None]:
         dtype=torch.uint8,
         device=local[0].device if local else "cpu",
     )
-    if dist.is_available() and dist.is_initialized() and left.numel():
+    if reduce and dist.is_available() and dist.is_initialized() and left.numel():
         dist.all_reduce(left, op=dist.ReduceOp.MAX)
     missing = [n for (n, _), flag in zip(named, left.tolist()) if flag]
     if missing:

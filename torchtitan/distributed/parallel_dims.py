@@ -86,12 +86,15 @@ def tensor_parallel_misfits(
 EP = "ep"  # the mesh dim of expert parallelism: the inner part of the shard ranks
 
 
-def mesh_dims(dp_replicate: int, dp_shard: int, tp: int, ep: int = 1) -> list[tuple[str, int]]:
+def mesh_dims(
+    dp_replicate: int, dp_shard: int, tp: int, ep: int = 1, pp: int = 1
+) -> list[tuple[str, int]]:
     """(name, size) of the mesh dims a job with these degrees has: those of size > 1, or one
     `dp_shard` dim of size 1 on a single rank (uniform code paths).  With expert
-    parallelism the shard ranks are two dims, `dp_shard` (dp_shard / ep) and `ep`."""
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard // ep, EP: ep, "tp": tp}
-    order = ("dp_replicate", "dp_shard", EP, "tp")
+    parallelism the shard ranks are two dims, `dp_shard` (dp_shard / ep) and `ep`; pipeline
+    stages are the outermost dim, `pp`."""
+    sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard // ep, EP: ep, "tp": tp}
+    order = ("pp", "dp_replicate", "dp_shard", EP, "tp")
     dims = [(name, sizes[name]) for name in order if sizes[name] > 1]
     return dims or [("dp_shard", 1)]
 
@@ -105,10 +108,10 @@ def is_data_dim(name: str) -> bool:
 class ParallelDims:
     """Degrees from `[parallelism]`, validated against the world size.
 
-    Mesh dimensions, outermost first: `dp_replicate` (HSDP/DDP replicas), `dp_shard`
-    (FSDP), `tp`.  Only dimensions of size > 1 appear in the mesh.  Flattened views:
-    `dp` (all data-parallel ranks: data loading and loss averaging) and, for HSDP,
-    both data dims side by side for `fully_shard`.
+    Mesh dimensions, outermost first: `pp` (pipeline stages), `dp_replicate` (HSDP/DDP
+    replicas), `dp_shard` (FSDP), `tp`.  Only dimensions of size > 1 appear in the mesh.
+    Flattened views: `dp` (all data-parallel ranks: data loading and loss averaging) and,
+    for HSDP, both data dims side by side for `fully_shard`.
     """
 
     dp_replicate: int
@@ -117,6 +120,7 @@ class ParallelDims:
     world_size: int
     enable_loss_parallel: bool = True
     ep: int = 1
+    pp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat_dp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat_shard_mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -136,14 +140,16 @@ class ParallelDims:
         for name, degree in (
             ("data_parallel_replicate_degree", self.dp_replicate),
             ("tensor_parallel_degree", self.tp),
+            ("pipeline_parallel_degree", self.pp),
         ):
             if degree < 1:
                 raise ParallelismConfigError(f"--parallelism.{name} must be >= 1, got {degree}")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp
+            rest = self.dp_replicate * self.tp * self.pp
             if self.world_size % rest:
+                pp = f"pipeline_parallel_degree {self.pp} × " if self.pp > 1 else ""
                 raise ParallelismConfigError(
-                    f"world size {self.world_size} is not divisible by "
+                    f"world size {self.world_size} is not divisible by {pp}"
                     f"data_parallel_replicate_degree {self.dp_replicate} × "
                     f"tensor_parallel_degree {self.tp} = {rest}"
                 )
@@ -158,11 +164,12 @@ class ParallelDims:
                 f"data_parallel_shard_degree {self.dp_shard} (expert-parallel ranks are carved "
                 "from the shard ranks)"
             )
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
+            pp = f"pp {self.pp} × " if self.pp > 1 else ""
             raise ParallelismConfigError(
                 f"parallelism degrees multiply to {product} "
-                f"(replicate {self.dp_replicate} × shard {self.dp_shard} × tp {self.tp}) "
+                f"({pp}replicate {self.dp_replicate} × shard {self.dp_shard} × tp {self.tp}) "
                 f"but the world size is {self.world_size}; make them multiply to "
                 f"{self.world_size} or set --parallelism.data_parallel_shard_degree -1"
             )
@@ -176,10 +183,11 @@ class ParallelDims:
             world_size=world_size,
             enable_loss_parallel=not parallelism.disable_loss_parallel,
             ep=parallelism.expert_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        dims = mesh_dims(self.dp_replicate, self.dp_shard, self.tp, self.ep)
+        dims = mesh_dims(self.dp_replicate, self.dp_shard, self.tp, self.ep, self.pp)
         names = tuple(n for n, _ in dims)
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         dp_names = tuple(n for n in names if is_data_dim(n))
@@ -215,6 +223,15 @@ class ParallelDims:
         if "dp_replicate" in names:
             return mesh[("dp_replicate", shard)]
         return mesh[shard]
+
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The pipeline ranks holding this rank's part of the model's other stages (None
+        without pipeline parallelism)."""
+        return self.world_mesh["pp"] if self.pp > 1 else None
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -272,4 +289,4 @@ class ParallelDims:
     @property
     def non_data_parallel_size(self) -> int:
         """Ranks that share one sample stream (used to report tokens/s per rank)."""
-        return self.tp
+        return self.tp * self.pp

@@ -87,16 +87,29 @@ def dist_reduce(value: torch.Tensor, op: str, mesh: DeviceMesh | None) -> float:
     return float(value.item())
 
 
+def pipeline_sum(value: torch.Tensor, pp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """`value` summed over the pipeline ranks (what one stage's ranks hold, on all)."""
+    if pp_mesh is None:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return value
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Clip the global gradient norm; works when parameters are DTensors on any mesh.
 
     Each gradient's squared norm is summed on its local shard; shards that share a mesh and
     a set of sharded mesh dims are added up first, so the exact total costs one reduction
-    per such group (per mesh dim), not one per parameter.
+    per such group (per mesh dim), not one per parameter.  With pipeline stages
+    (`pp_mesh`) each rank holds its stages' parameters only: the totals of the pipeline
+    ranks are added up too.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and pp_mesh is None:
         return torch.tensor(0.0)
     groups: dict[tuple, torch.Tensor] = {}
     plain = None
@@ -115,7 +128,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         partial = [Partial() if i in sharded else Replicate() for i in range(mesh.ndim)]
         full = DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
         total_sq = full if total_sq is None else total_sq + full
-    assert total_sq is not None  # grads is not empty: some gradient was summed in
+    if total_sq is None:  # no gradient on this pipeline rank's stages
+        total_sq = torch.zeros((), device=_device_of(pp_mesh))
+    total_sq = pipeline_sum(total_sq, pp_mesh)
     total_norm = total_sq.sqrt()
     if max_norm > 0:
         clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)
@@ -123,6 +138,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
             for g in grads:
                 g.mul_(clip_coef)
     return total_norm
+
+
+def _device_of(mesh: DeviceMesh | None) -> torch.device:
+    return torch.device(mesh.device_type if mesh is not None else "cpu")
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

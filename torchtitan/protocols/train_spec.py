@@ -58,6 +58,10 @@ class TrainSpec:
     """(model_args, parallel_dims, job_config) -> None: raises `UserInputError` for a mesh
     `parallelize_fn` cannot apply (e.g. a tp degree that does not divide the heads).  Run
     before any rank starts (preflight) and again by the trainer; None accepts any mesh."""
+    pipeline_split: Any = None
+    """Where the model may be cut into pipeline stages (a
+    `torchtitan.distributed.pipeline.PipelineSplit`); None: the spec cannot pipeline
+    (`--parallelism.pipeline_parallel_degree` > 1 is an error)."""
     choose_mesh_fn: Callable[..., MeshChoice | Mapping[str, int]] | None = None
     """(meta model, model_args, job_config, world_size, global_batch) -> `MeshChoice` (or
     just its degrees) for a job that leaves some degrees to `auto`; called on every rank

@@ -8,6 +8,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.datasets.dataloader import build_hf_dataloader
+from torchtitan.distributed.pipeline import PipelineSplit
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_configs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import check_llama_parallelism, parallelize_llama
@@ -33,4 +34,7 @@ def get_train_spec() -> TrainSpec:
         build_dataloader_fn=build_hf_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
+        pipeline_split=PipelineSplit(
+            first=("tok_embeddings",), blocks="layers", last=("norm", "output")
+        ),
     )

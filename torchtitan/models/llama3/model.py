@@ -64,6 +64,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if rope_cache.shape[0] != seq:  # given the whole cache (see Transformer.forward)
+            rope_cache = rope_cache[:seq]
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = F.scaled_dot_product_attention(
@@ -152,8 +154,16 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        rope_cache = self.rope_cache[: tokens.shape[1]]
+        """Token ids (batch, seq) -> logits.  A model cut into consecutive parts (pipeline
+        stages) runs without the modules other parts hold (None): without the embeddings
+        it takes hidden states in, without the norm and output it returns them."""
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            rope_cache = self.rope_cache[: tokens.shape[1]]
+        else:  # hidden states, maybe a slice of the sequence: attention takes what it needs
+            h, rope_cache = tokens, self.rope_cache
         for layer in self.layers.values():
             h = layer(h, rope_cache)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,272 @@
+"""Pipeline parallelism: the model's blocks cut into consecutive stages, one or more per
+rank of the `pp` mesh dim, microbatches driven through them by a schedule of
+`torch.distributed.pipelining` (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, ...).
+
+A spec makes its model pipelinable by naming its split (`PipelineSplit`): the modules run
+before the blocks (only the first stage keeps them), the container of the blocks (an
+`nn.ModuleDict`, so the blocks keep their names when some are removed), and the modules
+run after them (only the last stage).  The model's forward skips a module that is None and
+takes hidden states in when its input module is gone — nothing else about pipelining.
+
+Each stage is a copy of the meta-device model holding its blocks only, parallelised by the
+spec's own `parallelize_fn` (FSDP, TP) like a whole model.  Initialisation gives every
+stage exactly what one process draws: the stage's missing modules are put back, allocated
+for the while, around the model's own `init_weights`, so the random generator advances as
+in one process (`PipelineStages.whole_model`; it costs the rest of the model's size in
+memory once, during initialisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+from torchtitan.errors import UserInputError
+
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)
+_V_SHAPED = ("ZBVZeroBubble",)  # rank r holds stages r and 2·pp − 1 − r
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where a model may be cut (see the module docstring): module names on the model."""
+
+    first: tuple[str, ...]
+    """Modules run before the blocks (the first stage keeps them), e.g. the embeddings."""
+    blocks: str
+    """The `nn.ModuleDict` of the repeated blocks, run in order."""
+    last: tuple[str, ...]
+    """Modules run after the blocks (the last stage keeps them), e.g. final norm, output."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The blocks of every stage, and which stages each pipeline rank holds."""
+
+    schedule: str
+    blocks: list[list[int]]  # stage -> positions of its blocks in the container
+    microbatches: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.blocks)
+
+    def stages_of(self, pp_rank: int, pp: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds, in order."""
+        if self.schedule in _V_SHAPED:
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return list(range(pp_rank, self.stages, pp))
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule class called `name` (case as torch spells it or not)."""
+    try:
+        cls = get_schedule_class(name)
+    except ValueError:
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_schedule {name!r}: no such schedule in "
+            f"torch.distributed.pipelining; choose one of {', '.join(SCHEDULES)}"
+        ) from None
+    if cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_schedule {name!r} is an abstract base; choose "
+            f"one of {', '.join(SCHEDULES)}"
+        )
+    return cls
+
+
+def plan_stages(
+    n_blocks: int,
+    pp: int,
+    schedule: str,
+    layers_per_stage: int | None,
+    local_batch: int,
+    microbatch_size: int,
+    model: str,
+) -> StagePlan:
+    """The stages of a model of `n_blocks` blocks on `pp` pipeline ranks, or one
+    `UserInputError` naming the option to change."""
+    cls = schedule_class(schedule)
+    name = cls.__name__.removeprefix("Schedule")
+    multi = issubclass(cls, PipelineScheduleMulti)
+    option = "--parallelism.pipeline_parallel_layers_per_stage"
+    if layers_per_stage is None:
+        stages = pp * (2 if multi else 1)
+        if n_blocks < stages:
+            raise UserInputError(
+                f"--parallelism.pipeline_parallel_degree {pp}: {name} runs {stages} stages on "
+                f"{pp} ranks, and {model} has {n_blocks} blocks; use a smaller degree"
+            )
+        sizes = _balanced(n_blocks, stages)
+    else:
+        per = layers_per_stage
+        if per < 1 or n_blocks % per:
+            raise UserInputError(f"{option} {per}: must divide the {n_blocks} blocks of {model}")
+        stages = n_blocks // per
+        sizes = [per] * stages
+        if stages % pp or (not multi and stages != pp):
+            want = f"{pp}" if not multi else f"a multiple of {pp}"
+            raise UserInputError(
+                f"{option} {per}: makes {stages} stages, and {name} on {pp} ranks runs {want}"
+                f"{'' if multi else ' (one per rank; Interleaved1F1B runs several)'}"
+            )
+        if schedule in _V_SHAPED and stages != 2 * pp:
+            raise UserInputError(
+                f"{option} {per}: makes {stages} stages, and {name} runs exactly two per "
+                f"rank ({2 * pp})"
+            )
+    if microbatch_size < 1 or local_batch % microbatch_size:
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_microbatch_size {microbatch_size}: must divide "
+            f"the local batch size {local_batch}"
+        )
+    microbatches = local_batch // microbatch_size
+    if multi and microbatches % pp:
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_microbatch_size {microbatch_size}: {name} needs "
+            f"a number of microbatches that {pp} divides, and the local batch {local_batch} "
+            f"makes {microbatches}"
+        )
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return StagePlan(
+        schedule=schedule,
+        blocks=[list(range(start, start + n)) for start, n in zip(starts, sizes)],
+        microbatches=microbatches,
+    )
+
+
+def _balanced(n_blocks: int, stages: int) -> list[int]:
+    """Blocks per stage, as even as they go; the blocks left over go to the middle stages
+    first (the first stage also runs the embeddings, the last the output projection)."""
+    sizes = [n_blocks // stages] * stages
+    by_depth = sorted(range(stages), key=lambda s: -min(s, stages - 1 - s))
+    for s in by_depth[: n_blocks % stages]:
+        sizes[s] += 1
+    return sizes
+
+
+@dataclass
+class _Removed:
+    """What one stage lacks of the whole model (meta-device modules)."""
+
+    blocks: dict[str, nn.Module]  # container key -> block
+    modules: dict[str, nn.Module]  # attribute on the model -> first/last module
+    order: list[str]  # every container key, in the model's order
+
+
+@dataclass
+class PipelineStages:
+    """This rank's stages of a model: the stage modules (`parts`, what is parallelised,
+    optimised and checkpointed), what each lacks, and — once `start` ran — the schedule."""
+
+    split: PipelineSplit
+    plan: StagePlan
+    stage_ids: list[int]
+    parts: list[nn.Module] = field(default_factory=list)
+    removed: list[_Removed] = field(default_factory=list)
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.plan.stages - 1 in self.stage_ids
+
+    @contextlib.contextmanager
+    def whole_model(self, i: int, device: torch.device) -> Iterator[nn.Module]:
+        """Part `i` with its missing modules back in their places, allocated on `device`
+        for as long as this lasts, so that the model's own `init_weights` walks and draws
+        the whole model in its own order (a random fill's draws can depend on the values,
+        as torch's rejection-sampling `trunc_normal_`'s do: only a real draw advances the
+        generator as one process does)."""
+        part, removed = self.parts[i], self.removed[i]
+        for module in [*removed.blocks.values(), *removed.modules.values()]:
+            module.to_empty(device=device)
+        container = getattr(part, self.split.blocks)
+        whole = nn.ModuleDict(
+            {k: container[k] if k in container else removed.blocks[k] for k in removed.order}
+        )
+        for name, module in removed.modules.items():
+            setattr(part, name, module)
+        setattr(part, self.split.blocks, whole)
+        try:
+            yield part
+        finally:
+            for name in removed.modules:
+                setattr(part, name, None)
+            setattr(part, self.split.blocks, container)
+            for module in [*removed.blocks.values(), *removed.modules.values()]:
+                module.to_empty(device="meta")  # give the memory back
+
+    def start(
+        self,
+        device: torch.device,
+        group,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Build the schedule over the (parallelised, initialised) parts."""
+        stages = [
+            PipelineStage(part, stage_id, self.plan.stages, device, group=group)
+            for part, stage_id in zip(self.parts, self.stage_ids)
+        ]
+        cls = schedule_class(self.plan.schedule)
+        arg = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
+        self.schedule = cls(arg, n_microbatches=self.plan.microbatches, loss_fn=loss_fn)
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One schedule run over a local batch: forward and backward of every microbatch;
+        the losses of its microbatches on the rank holding the last stage, else []."""
+        if self.schedule is None:
+            raise RuntimeError("PipelineStages.start() was not called")
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last else None
+        args = (tokens,) if self.has_first else ()
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        return losses
+
+
+def split_stages(
+    model: nn.Module, split: PipelineSplit, plan: StagePlan, pp_rank: int, pp: int
+) -> PipelineStages:
+    """This rank's stages of the meta-device `model` (each a copy holding its blocks)."""
+    out = PipelineStages(split, plan, plan.stages_of(pp_rank, pp))
+    for stage_id in out.stage_ids:
+        part = copy.deepcopy(model)
+        container = getattr(part, split.blocks)
+        order = list(container.keys())
+        keep = {order[i] for i in plan.blocks[stage_id]}
+        removed = _Removed({}, {}, order)
+        for key in order:
+            if key not in keep:
+                removed.blocks[key] = container[key]
+                del container[key]
+        names = [
+            *(split.first if stage_id > 0 else ()),
+            *(split.last if stage_id < plan.stages - 1 else ()),
+        ]
+        for name in names:
+            removed.modules[name] = getattr(part, name)
+            setattr(part, name, None)
+        out.parts.append(part)
+        out.removed.append(removed)
+    return out
