@@ -145,8 +145,9 @@ def pipeline_plan(
 
 def _typed(user: JobConfig) -> str:
     p, t = user.parallelism, user.training
+    pp = f"pp {p.pipeline_parallel_degree} x " if p.pipeline_parallel_degree != 1 else ""
     return (
-        f"replicate {p.data_parallel_replicate_degree} x shard {p.data_parallel_shard_degree} "
+        f"{pp}replicate {p.data_parallel_replicate_degree} x shard {p.data_parallel_shard_degree} "
         f"x tp {p.tensor_parallel_degree}, local batch {t.local_batch_size}, global batch "
         f"{t.global_batch_size}"
     )

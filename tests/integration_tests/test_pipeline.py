@@ -1,0 +1,105 @@
+"""Hand-written pipeline parallelism (`--parallelism.pipeline_parallel_degree`) for llama3
+on CPU ranks: every mesh and schedule reproduces the 1-rank reference curve (global batch
+4, rtol 1e-4), a run stopped at step 5 resumes from its checkpoint bitwise, and bad
+pipeline settings are one line before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+from harness import REPO, run_training
+
+from torchtitan.tools.loss_compare import assert_losses_close, preflight, read_golden
+
+GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
+LLAMA = ["--model.name", "llama3"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
+def _pp(pp: int, schedule: str, shard: int = 1, tp: int = 1, local_batch: int = 4) -> list[str]:
+    return [
+        *LLAMA,
+        "--parallelism.pipeline_parallel_degree",
+        str(pp),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.data_parallel_shard_degree",
+        str(shard),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--training.local_batch_size",
+        str(local_batch),
+    ]
+
+
+PP2_DP2 = _pp(2, "1F1B", shard=2, local_batch=2)
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2_run(tmp_path_factory):
+    """pp 2 x FSDP 2 with 1F1B, checkpointing at steps 5 and 10."""
+    return run_training(4, [*PP2_DP2, *CKPT], tmp_path_factory.mktemp("pp2_dp2")).check()
+
+
+def test_pp2_dp2_matches_1rank(pp2_dp2_run):
+    assert "pipeline: 1F1B, 2 stages of 3/3 blocks, 2 microbatches" in pp2_dp2_run.output
+    assert_losses_close(pp2_dp2_run.losses(), GOLDEN, rtol=1e-4, what="pp2 x dp2 1F1B vs 1 rank")
+
+
+@pytest.mark.parametrize(
+    "nproc, args, stages",
+    [
+        (4, _pp(2, "Interleaved1F1B", tp=2), "4 stages of 1/2/2/1 blocks"),
+        (4, _pp(4, "GPipe"), "4 stages of 1/2/2/1 blocks"),
+        (2, _pp(2, "ZBVZeroBubble"), "4 stages of 1/2/2/1 blocks"),
+    ],
+    ids=["pp2_tp2_interleaved", "pp4_gpipe", "pp2_zbv"],
+)
+def test_pipelined_meshes_and_schedules_match_1rank(nproc, args, stages, train_on_ranks):
+    run = train_on_ranks(nproc, args)
+    assert stages in run.output
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=" ".join(args[2:]))
+
+
+def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
+    first = run_training(4, [*PP2_DP2, *CKPT, "--training.stop_at_step", "5"], tmp_path).check()
+    assert "stopping after step 5" in first.output
+    resumed = run_training(4, [*PP2_DP2, *CKPT], tmp_path).check()
+    assert "loaded checkpoint step-5" in resumed.output
+    full, losses = pp2_dp2_run.losses(), resumed.losses()
+    assert {s: losses[s] for s in range(6, 11)} == {s: full[s] for s in range(6, 11)}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--parallelism.pipeline_parallel_schedule", "Zigzag"],
+            "--parallelism.pipeline_parallel_schedule 'Zigzag': no such schedule in "
+            "torch.distributed.pipelining; choose one of GPipe, 1F1B, Interleaved1F1B, "
+            "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_microbatch_size", "3"],
+            "--parallelism.pipeline_parallel_microbatch_size 3: must divide the local batch size 4",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_layers_per_stage", "4"],
+            "--parallelism.pipeline_parallel_layers_per_stage 4: must divide the 6 blocks of "
+            "llama3 debugmodel",
+        ),
+        (
+            ["--model.name", "llama3_auto_parallel"],
+            "--parallelism.pipeline_parallel_degree 2: llama3_auto_parallel cannot be "
+            "pipelined (its spec names no pipeline split); use llama3, or "
+            "pipeline_parallel_degree 1",
+        ),
+    ],
+    ids=["schedule", "microbatch", "layers", "auto-parallel"],
+)
+def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
+    given = dict(zip(args[::2], args[1::2]))
+    base = _pp(2, given.pop("--parallelism.pipeline_parallel_schedule", "1F1B"))
+    if "--model.name" in given:
+        base[1] = given.pop("--model.name")
+    extra = [x for option, value in given.items() for x in (option, value)]
+    assert preflight(2, [*base, *extra]) == message

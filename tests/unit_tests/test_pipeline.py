@@ -1,0 +1,98 @@
+"""`torchtitan.distributed.pipeline`: how the blocks split into stages and which rank
+holds which, each bad setting by its message, and that stages cut from a model and
+initialised through `whole_model` hold exactly one process's values and compute, chained,
+the whole model's logits.  One process, no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan.distributed.pipeline import PipelineSplit, plan_stages, split_stages
+from torchtitan.errors import UserInputError
+from torchtitan.exact_init import exact_sharded_init
+from torchtitan.models.llama3 import Transformer, llama3_configs
+
+ARGS = llama3_configs["debugmodel"]  # 6 blocks
+SPLIT = PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output"))
+
+
+def _plan(pp: int, schedule: str, per: int | None = None, batch: int = 4, micro: int = 1):
+    return plan_stages(6, pp, schedule, per, batch, micro, "llama3 debugmodel")
+
+
+@pytest.mark.parametrize(
+    "pp, schedule, per, blocks, held",
+    [
+        (2, "1F1B", None, [[0, 1, 2], [3, 4, 5]], [[0], [1]]),
+        (4, "GPipe", None, [[0], [1, 2], [3, 4], [5]], [[0], [1], [2], [3]]),
+        (2, "Interleaved1F1B", None, [[0], [1, 2], [3, 4], [5]], [[0, 2], [1, 3]]),
+        (2, "ZBVZeroBubble", None, [[0], [1, 2], [3, 4], [5]], [[0, 3], [1, 2]]),
+        (2, "Interleaved1F1B", 1, [[i] for i in range(6)], [[0, 2, 4], [1, 3, 5]]),
+    ],
+)
+def test_blocks_split_into_stages_and_ranks_hold_them(pp, schedule, per, blocks, held):
+    plan = _plan(pp, schedule, per)
+    assert plan.blocks == blocks and plan.microbatches == 4
+    assert [plan.stages_of(r, pp) for r in range(pp)] == held
+
+
+@pytest.mark.parametrize(
+    "blocks, pp, schedule, per, batch, micro, message",
+    [
+        (6, 2, "Zigzag", None, 4, 1, "no such schedule in torch.distributed.pipelining"),
+        (6, 2, "PipelineScheduleMulti", None, 4, 1, "'PipelineScheduleMulti' is an abstract"),
+        (6, 2, "1F1B", None, 4, 3, "microbatch_size 3: must divide the local batch size 4"),
+        (6, 2, "1F1B", 4, 4, 1, "layers_per_stage 4: must divide the 6 blocks of llama3"),
+        (6, 2, "1F1B", 1, 4, 1, "makes 6 stages, and 1F1B on 2 ranks runs 2 (one per rank"),
+        (6, 2, "ZBVZeroBubble", 1, 4, 1, "makes 6 stages, and ZBVZeroBubble runs exactly two"),
+        (6, 8, "GPipe", None, 4, 1, "GPipe runs 8 stages on 8 ranks, and llama3 debugmodel has 6"),
+        (16, 4, "Interleaved1F1B", None, 2, 1, "needs a number of microbatches that 4 divides"),
+    ],
+)
+def test_each_bad_setting_is_one_error(blocks, pp, schedule, per, batch, micro, message):
+    with pytest.raises(UserInputError, match=message.replace("(", r"\(")):
+        plan_stages(blocks, pp, schedule, per, batch, micro, "llama3 debugmodel")
+
+
+def _one_process() -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_stages_hold_one_process_values_and_chain_to_its_logits(schedule):
+    whole = _one_process()
+    plan = _plan(2, schedule)
+    parts = {}
+    for rank in range(2):
+        with torch.device("meta"):
+            model = Transformer(ARGS)
+        stages = split_stages(model, SPLIT, plan, rank, 2)
+        for i, (stage_id, part) in enumerate(zip(stages.stage_ids, stages.parts)):
+            part.to_empty(device="cpu")
+            torch.manual_seed(0)
+            with torch.no_grad(), stages.whole_model(i, torch.device("cpu")) as m:
+                with exact_sharded_init(m):
+                    m.init_weights()
+            assert all(
+                p.device.type == "meta"
+                for r in stages.removed
+                for b in r.blocks.values()
+                for p in b.parameters()
+            )
+            parts[stage_id] = part
+    expected = whole.state_dict()
+    for part in parts.values():
+        for name, value in part.state_dict().items():
+            assert torch.equal(value, expected[name]), name
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
+    h = tokens
+    for stage_id in sorted(parts):
+        h = parts[stage_id](h)
+    torch.testing.assert_close(h, whole(tokens), rtol=0, atol=0)
