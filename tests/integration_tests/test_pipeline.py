@@ -88,13 +88,18 @@ def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
             "llama3 debugmodel",
         ),
         (
+            ["--parallelism.pipeline_parallel_split_points", "layers.3"],
+            "--parallelism.pipeline_parallel_split_points 'layers.3': give the positions of "
+            "the blocks that start a stage as integers, comma-separated (e.g. 2,4)",
+        ),
+        (
             ["--model.name", "llama3_auto_parallel"],
             "--parallelism.pipeline_parallel_degree 2: llama3_auto_parallel cannot be "
             "pipelined (its spec names no pipeline split); use llama3, or "
             "pipeline_parallel_degree 1",
         ),
     ],
-    ids=["schedule", "microbatch", "layers", "auto-parallel"],
+    ids=["schedule", "microbatch", "layers", "split-points", "auto-parallel"],
 )
 def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
     given = dict(zip(args[::2], args[1::2]))

@@ -22,6 +22,32 @@ def _plan(pp: int, schedule: str, per: int | None = None, batch: int = 4, micro:
 
 
 @pytest.mark.parametrize(
+    "pp, schedule, points, blocks",
+    [
+        (2, "1F1B", [2], [[0, 1], [2, 3, 4, 5]]),
+        (2, "Interleaved1F1B", [1, 3, 5], [[0], [1, 2], [3, 4], [5]]),
+    ],
+)
+def test_split_points_start_stages_where_given(pp, schedule, points, blocks):
+    plan = plan_stages(6, pp, schedule, None, 4, 1, "llama3 debugmodel", points)
+    assert plan.blocks == blocks
+
+
+@pytest.mark.parametrize(
+    "points, per, message",
+    [
+        ([3, 2], None, "split_points 3,2: must increase strictly, each between 1 and 5"),
+        ([6], None, "split_points 6: must increase strictly"),
+        ([2, 4], None, "split_points 2,4: makes 3 stages, and 1F1B on 2 ranks runs 2"),
+        ([3], 3, "split_points 3: give split points or layers per stage, not both"),
+    ],
+)
+def test_bad_split_points_are_one_error(points, per, message):
+    with pytest.raises(UserInputError, match=message):
+        plan_stages(6, 2, "1F1B", per, 4, 1, "llama3 debugmodel", points)
+
+
+@pytest.mark.parametrize(
     "pp, schedule, per, blocks, held",
     [
         (2, "1F1B", None, [[0, 1, 2], [3, 4, 5]], [[0], [1]]),

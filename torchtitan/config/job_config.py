@@ -187,6 +187,10 @@ class Parallelism:
     """Sequences per microbatch; it must divide the local batch size, and the schedule
     runs local batch / microbatch size microbatches per step."""
 
+    pipeline_parallel_split_points: str = ""
+    """Where stages start, as comma-separated positions of blocks (e.g. 2,4: blocks 0-1,
+    2-3, 4-5); empty: by layers per stage below."""
+
     pipeline_parallel_layers_per_stage: int | None = None
     """Blocks per pipeline stage (it must divide the blocks); none: the blocks split as
     evenly as they go over the stages the schedule runs (one per rank, or two for the

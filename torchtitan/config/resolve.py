@@ -140,7 +140,19 @@ def pipeline_plan(
         job_config.training.local_batch_size,
         p.pipeline_parallel_microbatch_size,
         f"{job_config.model.name} {job_config.model.flavor}",
+        _split_points(p.pipeline_parallel_split_points),
     )
+
+
+def _split_points(text: str) -> list[int]:
+    """`--parallelism.pipeline_parallel_split_points` as block positions."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isdigit() for t in items):
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_split_points {text!r}: give the positions of "
+            "the blocks that start a stage as integers, comma-separated (e.g. 2,4)"
+        )
+    return [int(t) for t in items]
 
 
 def _typed(user: JobConfig) -> str:

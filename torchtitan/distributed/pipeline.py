@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,38 +101,50 @@ def plan_stages(
     local_batch: int,
     microbatch_size: int,
     model: str,
+    split_points: Sequence[int] = (),
 ) -> StagePlan:
     """The stages of a model of `n_blocks` blocks on `pp` pipeline ranks, or one
-    `UserInputError` naming the option to change."""
+    `UserInputError` naming the option to change.  The blocks of each stage: from
+    `split_points` (the first block of every stage but the first), else
+    `layers_per_stage` each, else as even as they go (`_balanced`)."""
     cls = schedule_class(schedule)
     name = cls.__name__.removeprefix("Schedule")
     multi = issubclass(cls, PipelineScheduleMulti)
-    option = "--parallelism.pipeline_parallel_layers_per_stage"
-    if layers_per_stage is None:
+    if split_points:
+        option = f"--parallelism.pipeline_parallel_split_points {','.join(map(str, split_points))}"
+        if layers_per_stage is not None:
+            raise UserInputError(f"{option}: give split points or layers per stage, not both")
+        bounds = [0, *split_points, n_blocks]
+        if any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise UserInputError(
+                f"{option}: must increase strictly, each between 1 and {n_blocks - 1} (the "
+                f"positions of the blocks of {model} that start a stage)"
+            )
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    elif layers_per_stage is not None:
+        option = f"--parallelism.pipeline_parallel_layers_per_stage {layers_per_stage}"
+        if layers_per_stage < 1 or n_blocks % layers_per_stage:
+            raise UserInputError(f"{option}: must divide the {n_blocks} blocks of {model}")
+        sizes = [layers_per_stage] * (n_blocks // layers_per_stage)
+    else:
         stages = pp * (2 if multi else 1)
         if n_blocks < stages:
             raise UserInputError(
                 f"--parallelism.pipeline_parallel_degree {pp}: {name} runs {stages} stages on "
                 f"{pp} ranks, and {model} has {n_blocks} blocks; use a smaller degree"
             )
-        sizes = _balanced(n_blocks, stages)
-    else:
-        per = layers_per_stage
-        if per < 1 or n_blocks % per:
-            raise UserInputError(f"{option} {per}: must divide the {n_blocks} blocks of {model}")
-        stages = n_blocks // per
-        sizes = [per] * stages
-        if stages % pp or (not multi and stages != pp):
-            want = f"{pp}" if not multi else f"a multiple of {pp}"
-            raise UserInputError(
-                f"{option} {per}: makes {stages} stages, and {name} on {pp} ranks runs {want}"
-                f"{'' if multi else ' (one per rank; Interleaved1F1B runs several)'}"
-            )
-        if schedule in _V_SHAPED and stages != 2 * pp:
-            raise UserInputError(
-                f"{option} {per}: makes {stages} stages, and {name} runs exactly two per "
-                f"rank ({2 * pp})"
-            )
+        sizes, option = _balanced(n_blocks, stages), ""
+    stages = len(sizes)
+    if stages % pp or (not multi and stages != pp):
+        want = f"{pp}" if not multi else f"a multiple of {pp}"
+        raise UserInputError(
+            f"{option}: makes {stages} stages, and {name} on {pp} ranks runs {want}"
+            f"{'' if multi else ' (one per rank; Interleaved1F1B runs several)'}"
+        )
+    if schedule in _V_SHAPED and stages != 2 * pp:
+        raise UserInputError(
+            f"{option}: makes {stages} stages, and {name} runs exactly two per rank ({2 * pp})"
+        )
     if microbatch_size < 1 or local_batch % microbatch_size:
         raise UserInputError(
             f"--parallelism.pipeline_parallel_microbatch_size {microbatch_size}: must divide "
