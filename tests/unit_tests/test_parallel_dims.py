@@ -38,3 +38,18 @@ def test_mesh_has_only_dims_above_one_and_flattened_dp(world8):
     tp_only = ParallelDims(dp_replicate=1, dp_shard=1, tp=8, world_size=8)
     assert tp_only.build_mesh("cpu").mesh_dim_names == ("tp",)
     assert tp_only.dp_mesh() is None and not tp_only.dp_enabled
+
+
+def test_pipeline_stages_are_the_outermost_dim(world8):
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, tp=2, world_size=8, pp=2)
+    assert dims.dp_shard == 2
+    mesh = dims.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp_shard", "tp")
+    assert dims.pp_mesh().size() == 2 and dims.dp_mesh().size() == 2
+    assert dims.non_data_parallel_size == 4  # tp x pp ranks share one sample stream
+    with pytest.raises(
+        ParallelismConfigError, match=r"multiply to 16 \(pp 2 × replicate 1 × shard 4 × tp 2\)"
+    ):
+        ParallelDims(dp_replicate=1, dp_shard=4, tp=2, world_size=8, pp=2)
+    with pytest.raises(ParallelismConfigError, match="pipeline_parallel_degree must be >= 1"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, tp=1, world_size=8, pp=0)
