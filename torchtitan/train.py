@@ -29,7 +29,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.preemption import Preemption
 from torchtitan.config import JobConfig, main_parse, to_toml
 from torchtitan.config.job_config import Comm
-from torchtitan.config.resolve import pipeline_plan, resolve, resolve_model_args, search_mesh
+from torchtitan.config.resolve import resolve, resolve_model_args, search_mesh
 from torchtitan.config.validate import validate_job_config
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
@@ -118,7 +118,7 @@ class Trainer:
         self.loss_fn = spec.build_loss_fn(job_config)
         self.pipeline: PipelineStages | None = None
         if self.parallel_dims.pp_enabled:
-            self.model_parts = self._pipeline_stages(model, model_args)
+            self.model_parts = self._pipeline_stages(model)
         else:
             self.model_parts = [self._parallel_model(model, mesh_choice)]
         del mesh_choice  # the search's planner and trace are not needed past this point
@@ -167,14 +167,14 @@ class Trainer:
         model.train()
         return model
 
-    def _pipeline_stages(self, model: nn.Module, model_args) -> list[nn.Module]:
+    def _pipeline_stages(self, model: nn.Module) -> list[nn.Module]:
         """This rank's pipeline stages of the meta `model` (distributed/pipeline.py), each
         parallelised by the spec like a whole model and initialised with the values one
         process gives it; the schedule that runs them is `self.pipeline`."""
         spec, job_config, dims = self.train_spec, self.job_config, self.parallel_dims
-        plan = pipeline_plan(spec, model_args, job_config, dims.pp)
-        pp_mesh = dims.pp_mesh()
-        assert spec.pipeline_split is not None and pp_mesh is not None  # checked by resolve
+        plan, pp_mesh = self.resolved.stage_plan, dims.pp_mesh()
+        # resolve() made the stage plan, having checked that the spec names a split
+        assert plan is not None and spec.pipeline_split is not None and pp_mesh is not None
         pipeline = split_stages(model, spec.pipeline_split, plan, pp_mesh.get_local_rank(), dims.pp)
         cuda = [self.device.index] if self.device.type == "cuda" else []
         for i, part in enumerate(pipeline.parts):

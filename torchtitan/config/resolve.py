@@ -55,6 +55,8 @@ class ResolvedConfig:
     """Expert-parallel degree (carved from the shard ranks)."""
     pp: int
     """Pipeline-parallel degree (the outermost mesh dim)."""
+    stage_plan: StagePlan | None
+    """With pp > 1: the blocks of each pipeline stage, the schedule and its microbatches."""
     job_config: JobConfig = field(compare=False, repr=False)
     """A copy of the user's config with the values above written in: what the spec's
     builders (dataloader, `parallelize_fn`, ...) read.  The user's own is left as typed."""
@@ -271,8 +273,7 @@ def resolve(
         setattr(run.parallelism, option, getattr(dims, name))
     run.parallelism.expert_parallel_degree = dims.ep
     check_expert_parallel(model_args, dims.ep, f"{job_config.model.name} {job_config.model.flavor}")
-    if dims.pp > 1:
-        pipeline_plan(spec, model_args, run, dims.pp)
+    stage_plan = pipeline_plan(spec, model_args, run, dims.pp) if dims.pp > 1 else None
     if spec.check_parallelism_fn is not None:
         spec.check_parallelism_fn(model_args, dims, run)
     steps = grad_accumulation_steps(run.training, dims.dp_degree)
@@ -289,5 +290,6 @@ def resolve(
         mesh_searched=mesh_choice is not None,
         ep=dims.ep,
         pp=dims.pp,
+        stage_plan=stage_plan,
         job_config=run,
     )
