@@ -174,7 +174,7 @@ def test_small_weights_and_many_tokens_choose_pure_fsdp():
     result = search(model, shape, cands, cost)
     assert result.best.mesh == DP8
     steps = [r.step_us for r in result.results]
-    assert all(s > 1.1 * steps[0] for s in steps[1:]), steps
+    assert all(s > 1.05 * steps[0] for s in steps[1:]), steps
     assert_matches_independent_solves(result, model, shape, cost)
 
 
@@ -185,7 +185,7 @@ def test_equal_steps_are_settled_by_the_tie_break():
     cands = [replicate8, DP8, DP4_TP2]
     first = search(model, shape, cands, "h100")
     steps = [r.step_us for r in first.results]
-    assert steps[0] == pytest.approx(steps[1], rel=1e-9) and steps[2] > steps[0] * (1 + 1e-3)
+    assert steps[0] == pytest.approx(steps[1], rel=1e-9) and steps[2] > steps[0] * (1 + 1e-4)
     assert first.best.mesh == replicate8  # no tie-break: the first listed of the tied
     fewest_replicas = search(
         model, shape, cands, "h100", tie_break=lambda c: c.size("dp_replicate")

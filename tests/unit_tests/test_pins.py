@@ -178,4 +178,10 @@ def test_pins_that_clash_with_the_parameter_budget_are_named():
         match=r"constraints cannot all hold: parameter memory budget .*; "
         r"parameter 'tok_embeddings.weight' pinned to R,R$",
     ):  # a whole embedding on every rank is more than the FSDP-like 1/4 of all parameters
-        _plan("--autoparallel.pin", "tok_embeddings.weight=R,R", n_layers=1)
+        _plan(
+            "--autoparallel.pin",
+            "tok_embeddings.weight=R,R",
+            "--autoparallel.max_parameter_fraction",
+            "fsdp",
+            n_layers=1,
+        )

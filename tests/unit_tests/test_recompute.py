@@ -175,19 +175,6 @@ def test_activation_checkpoint_modes_map_to_recompute_settings():
         job_recompute(bad, STACK)
 
 
-def test_budget_is_the_option_or_none_on_cpu():
-    from torchtitan.experiments.auto_parallel.parallelize import memory_budget_bytes
-
-    assert memory_budget_bytes(job("--activation_checkpoint.mode", "auto")) is None
-    cfg = job(
-        "--job.custom_config_module",
-        "torchtitan.experiments.auto_parallel.job_config",
-        "--autoparallel.memory_budget_gib",
-        "1.5",
-    )
-    assert memory_budget_bytes(cfg) == 1.5 * 2**30
-
-
 def test_hand_written_llama3_refuses_auto():
     from torchtitan.models.llama3.parallelize import parallelize_llama
 

@@ -1,7 +1,7 @@
 """`AutoParallel`: the public entry point tying the stages together.
 
     with AutoParallel(meta_model, input_fn, mesh, mp_policy=None, cost_model="h100") as autop:
-        autop.add_parameter_memory_constraint(high=None)       # default 1/world: FSDP-like
+        autop.add_memory_constraint(72 * 2**30)                 # bytes per rank
         autop.add_input_constraints([(Shard(0), Replicate())])
         autop.add_output_constraints([(Shard(0), Replicate())])
         plan = autop.optimize_placement()

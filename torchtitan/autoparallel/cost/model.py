@@ -198,14 +198,20 @@ class Estimator:
         return calls * link.latency_us + (n - 1) / n * nbytes / (link.bw_gbps * 1e3)
 
     # ---------------- communication ----------------
-    def comm_us(self, src: P.Placements, tgt: P.Placements, shape, itemsize: int) -> float:
-        key = (src, tgt, tuple(shape), itemsize)
+    def comm_us(
+        self, src: P.Placements, tgt: P.Placements, shape, itemsize: int, bucketed: bool = False
+    ) -> float:
+        """Time to redistribute a tensor from `src` to `tgt`.  `bucketed`: the collective
+        shares one call with the other tensors of its bucket (the executor's per-unit
+        parameter gathers and gradient reductions), so the link's latency, paid once per
+        bucket, is not charged to each tensor."""
+        key = (src, tgt, tuple(shape), itemsize, bucketed)
         r = self._comm.get(key)
         if r is None:
-            r = self._comm[key] = self._comm_uncached(src, tgt, shape, itemsize)
+            r = self._comm[key] = self._comm_uncached(src, tgt, shape, itemsize, bucketed)
         return r
 
-    def _comm_uncached(self, src, tgt, shape, itemsize) -> float:
+    def _comm_uncached(self, src, tgt, shape, itemsize, bucketed) -> float:
         if src == tgt:
             return 0.0
         cur = list(src)
@@ -220,16 +226,17 @@ class Estimator:
                 cur[d] = t
                 continue
             link = self.links[d]
+            latency = 0.0 if bucketed else link.latency_us
             frac = (n - 1) / n
             bw = link.bw_gbps * 1e9 / 1e6  # bytes per us
             if isinstance(s, Shard) and isinstance(t, Replicate):  # all-gather
-                total += link.latency_us + frac * nbytes * n / bw
+                total += latency + frac * nbytes * n / bw
             elif isinstance(s, Shard) and isinstance(t, Shard):  # all-to-all
-                total += link.latency_us + frac * nbytes / bw
+                total += latency + frac * nbytes / bw
             elif isinstance(s, Partial) and isinstance(t, Replicate):  # all-reduce
-                total += 2 * (link.latency_us + frac * nbytes / bw)
+                total += 2 * (latency + frac * nbytes / bw)
             elif isinstance(s, Partial) and isinstance(t, Shard):  # reduce-scatter
-                total += link.latency_us + frac * nbytes / bw
+                total += latency + frac * nbytes / bw
             elif not (isinstance(s, Replicate) and isinstance(t, Shard)):  # (a free local slice)
                 return INF
             cur[d] = t

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,6 +46,8 @@ class ParameterBudget:
 @dataclass(frozen=True)
 class MemoryBudget:
     """Predicted bytes per rank (memory.py) at most `bytes_per_rank`."""
+
+    LABEL: ClassVar[str] = "memory budget"  # how its name starts, in an infeasibility message
 
     name: str
     bytes_per_rank: float
@@ -111,7 +114,7 @@ def memory_budget(bytes_per_rank: int | float) -> MemoryBudget:
             f"memory budget must be a positive number of bytes, got {bytes_per_rank}"
         )
     return MemoryBudget(
-        f"memory budget {bytes_per_rank / 2**30:.4g} GiB per rank", float(bytes_per_rank)
+        f"{MemoryBudget.LABEL} {bytes_per_rank / 2**30:.4g} GiB per rank", float(bytes_per_rank)
     )
 
 

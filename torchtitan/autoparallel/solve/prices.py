@@ -80,13 +80,15 @@ class GraphPrices:
         elem_size: int,
         frozen: bool,
         sink: bool = False,
+        bucketed: bool = False,
     ) -> list:
         """(emitted, required, cost) of the redistributions an edge may use; memoised, as
         repeated layers ask the same question many times.  Edges into a sink (a gradient
         leaving in its parameter's placement, an output in its pinned one) may take any
         number of steps: there are few of them, and a gradient that is partial on two mesh
-        dims (a sequence-parallel norm's weight under FSDP) needs two collectives."""
-        key = (emitted, required, shape, elem_size, frozen, sink)
+        dims (a sequence-parallel norm's weight under FSDP) needs two collectives.
+        `bucketed`: see `comm_us`."""
+        key = (emitted, required, shape, elem_size, frozen, sink, bucketed)
         hit = self._pair_memo.get(key)
         if hit is None:
             hit = self._pair_memo[key] = [
@@ -95,7 +97,7 @@ class GraphPrices:
                 for r in required
                 if (o == r or not frozen)
                 and (sink or direct(o, r))
-                and (c := self.est.comm_us(o, r, shape, elem_size)) != INF
+                and (c := self.est.comm_us(o, r, shape, elem_size, bucketed)) != INF
             ]
         return hit
 

@@ -195,8 +195,16 @@ class PlacementProgram:
             or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
         )
         sink = isinstance(first, (GradEdge, OutputEdge))
+        # the executor buckets a unit's parameter gathers and its gradient reductions
+        bucketed = (src[0] in self.pside and not exposed) or isinstance(first, GradEdge)
         pairs = self.prices.pairs(
-            tuple(prod), tuple(cons_groups), tuple(val.shape), val.element_size(), frozen, sink
+            tuple(prod),
+            tuple(cons_groups),
+            tuple(val.shape),
+            val.element_size(),
+            frozen,
+            sink,
+            bucketed,
         )
         scale = (1.0 - self.eta) if overlappable else 1.0
         ys = m.vars([(c * scale + (TIE_BREAK_US if o != r else 0.0)) * count for o, r, c in pairs])

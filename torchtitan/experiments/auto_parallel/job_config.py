@@ -27,11 +27,17 @@ class AutoParallelConfig:
     memory_budget_gib: float | None = None
     """Bytes per rank a plan must fit, in GiB, as the planner's memory model counts them
     (parameters, gradients, optimizer state, saved activations, the largest block's
-    recomputation); with `--activation_checkpoint.mode auto` the planner recomputes blocks
-    to fit it, with `--parallelism.fsdp_reshard_after_forward auto` it gathers parameters
-    again in the backward of the blocks it chooses.  none: no such bound (only the FSDP-like
-    parameter budget, 1/world of the parameters per rank), except with either auto on a
-    GPU: its memory less 10%."""
+    recomputation).  none: what a rank has, less 10% for what the model leaves out (a GPU's
+    memory; on CPU an equal share of the machine's RAM among the ranks on it).  Within it the
+    solver replicates parameters (DDP-like), shards them (FSDP-like) or mixes, per parameter,
+    whichever is fastest; with `--activation_checkpoint.mode auto` it recomputes blocks to
+    fit, with `--parallelism.fsdp_reshard_after_forward auto` it gathers parameters again in
+    the backward of the blocks it chooses."""
+
+    max_parameter_fraction: str = "none"
+    """An extra bound on parameter bytes per rank, as a fraction of all parameter bytes:
+    none (only the memory budget bounds them), fsdp (1/world: every parameter split as far
+    as its shape allows, as FSDP does) or a number in (0, 1]."""
 
     solver_time_limit_seconds: float = 300.0
     """Stop the solver after this long and take the best plan found so far (the log says
@@ -88,6 +94,7 @@ class AutoParallelConfig:
             except UserInputError as e:
                 raise ConfigError(str(e)) from None
 
+        parameter_fraction(self.max_parameter_fraction, world=1)  # raises if malformed
         if self.cost_model != "auto" and self.cost_model.lower() not in DEVICES:
             raise ConfigError(
                 f"--autoparallel.cost_model: unknown device {self.cost_model!r}; "
@@ -101,6 +108,26 @@ class AutoParallelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"--autoparallel.{name}: must be a positive number, got {value}")
+
+
+def parameter_fraction(option: str, world: int) -> float | None:
+    """`--autoparallel.max_parameter_fraction` as a fraction of all parameter bytes, or None
+    for no such bound."""
+    value = option.strip().lower()
+    if value == "none":
+        return None
+    if value == "fsdp":
+        return 1.0 / world
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = math.nan
+    if not (0.0 < fraction <= 1.0):
+        raise ConfigError(
+            f"--autoparallel.max_parameter_fraction: {option!r} is not none, fsdp or a number "
+            "in (0, 1]"
+        )
+    return fraction
 
 
 @dataclass

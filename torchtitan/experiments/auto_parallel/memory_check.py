@@ -51,6 +51,6 @@ def check_plan_fits(plan: Plan) -> None:
     raise UserInputError(
         f"the plan needs {peak / 2**30:.1f} GiB per rank ({parts}) but a rank has "
         f"{available / 2**30:.1f} GiB ({source}); lower it with --activation_checkpoint.mode "
-        "full (or auto, with --autoparallel.memory_budget_gib), more ranks, or a smaller "
+        "auto (the planner recomputes blocks to fit) or full, more ranks, or a smaller "
         "--training.local_batch_size or --training.seq_len"
     )

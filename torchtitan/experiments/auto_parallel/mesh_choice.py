@@ -35,12 +35,12 @@ from torchtitan.distributed.parallel_dims import (
     tensor_parallel_misfits,
 )
 from torchtitan.distributed.utils import device_type
-from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel.parallelize import (
     SearchedPlan,
     add_job_constraints,
     job_cost_model,
     plan_cache_folder,
+    planner_error,
     planner_for_job,
     planner_settings,
 )
@@ -178,7 +178,7 @@ def choose_mesh(
         with planner:
             result = MeshSearch.from_json(on_rank0(search))
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
-        raise UserInputError(f"auto-parallel planner: {e}") from None
+        raise planner_error(e, job_config) from None
     logger.info(f"{result.verdict()}\n{result.table()}")
     if result.plan is None:  # search_meshes keeps the chosen candidate's plan
         raise RuntimeError("mesh search: the chosen mesh came without its plan")

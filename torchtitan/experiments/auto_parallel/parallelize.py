@@ -33,7 +33,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan.autoparallel import AutoParallel, Plan, PlannerError
 from torchtitan.autoparallel.cost.model import DEVICES, CostModel
+from torchtitan.autoparallel.errors import InfeasiblePlanError
 from torchtitan.autoparallel.plan.display import plan_summary
+from torchtitan.autoparallel.solve.constraints import MemoryBudget
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import EP, ParallelDims
 from torchtitan.distributed.utils import (
@@ -43,8 +45,8 @@ from torchtitan.distributed.utils import (
     resolve_param_dtype,
 )
 from torchtitan.errors import UserInputError
-from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
-from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits
+from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig, parameter_fraction
+from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits, memory_per_rank
 from torchtitan.experiments.auto_parallel.pins import job_pins, match_pins
 from torchtitan.experiments.auto_parallel.steering import job_plan_file
 from torchtitan.protocols.train_spec import MeshChoice
@@ -113,7 +115,23 @@ def parallelize_auto(
     try:
         return _parallelize(model, parallel_dims, job_config, vocab_size, searched)
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
-        raise UserInputError(f"auto-parallel planner: {e}") from None
+        raise planner_error(e, job_config) from None
+
+
+def planner_error(e: PlannerError, job_config: JobConfig) -> UserInputError:
+    """The trainer's one line for a planner error; when no plan fits the memory a rank has
+    (the default budget), it says where that figure comes from and what lowers the need."""
+    line = f"auto-parallel planner: {e}"
+    fits_nothing = isinstance(e, InfeasiblePlanError) and MemoryBudget.LABEL in str(e)
+    if fits_nothing and planner_settings(job_config).memory_budget_gib is None:
+        available, source = memory_per_rank()
+        line += (
+            f"; the budget is what a rank has, {available / 2**30:.1f} GiB ({source}), less "
+            f"{MEMORY_MARGIN:.0%}: lower the need with --activation_checkpoint.mode auto (the "
+            "planner recomputes blocks to fit) or full, more ranks, or a smaller "
+            "--training.local_batch_size or --training.seq_len"
+        )
+    return UserInputError(line)
 
 
 def planner_for_job(
@@ -149,17 +167,18 @@ def planner_settings(job_config: JobConfig) -> AutoParallelConfig:
 def add_job_constraints(
     autop: AutoParallel, names: tuple[str, ...], loss_parallel: bool, job_config: JobConfig
 ) -> None:
-    """The job's constraints: FSDP-like parameter budget, the memory budget if set, the
+    """The job's constraints: the memory budget, the parameter fraction if one is set, the
     batch split over every data-parallel dim, logits split over tp with loss parallelism,
     the routed experts split over the `ep` dim when the job has one, the `--autoparallel.pin`
     placements."""
+    settings = planner_settings(job_config)
     autop.set_recompute(job_recompute(job_config, autop))
-    autop.add_parameter_memory_constraint(low=None, high=None)
+    fraction = parameter_fraction(settings.max_parameter_fraction, autop.mesh.size())
+    if fraction is not None:
+        autop.add_parameter_memory_constraint(low=None, high=fraction)
     if EP in names:  # --parallelism.expert_parallel_degree: the experts split over `ep`
         autop.add_expert_parallel_constraint(EP)
-    budget = memory_budget_bytes(job_config)
-    if budget is not None:
-        autop.add_memory_constraint(budget)
+    autop.add_memory_constraint(memory_budget_bytes(job_config))
     autop.add_input_constraints([_batch_placements(names, Replicate())])
     autop.add_output_constraints(
         [_batch_placements(names, Shard(2) if loss_parallel else Replicate())]
@@ -195,25 +214,18 @@ def job_recompute(job_config: JobConfig, autop: AutoParallel) -> str | dict[str,
 
 
 # What the memory model leaves out (allocator fragmentation, temporaries inside an op,
-# communication buffers) is kept free on a GPU when no budget is set.
-GPU_MEMORY_MARGIN = 0.1
+# communication buffers) is kept free when the budget is not given.
+MEMORY_MARGIN = 0.1
 
 
-def memory_budget_bytes(job_config: JobConfig) -> float | None:
-    """`--autoparallel.memory_budget_gib`; unset: with `--activation_checkpoint.mode auto` or
-    `--parallelism.fsdp_reshard_after_forward auto` on a GPU its memory less
-    `GPU_MEMORY_MARGIN`, else no budget."""
+def memory_budget_bytes(job_config: JobConfig) -> float:
+    """`--autoparallel.memory_budget_gib`; unset: what a rank has (`memory_per_rank`) less
+    `MEMORY_MARGIN`."""
     gib = planner_settings(job_config).memory_budget_gib
     if gib is not None:
         return gib * 2**30
-    chooses = "auto" in (
-        job_config.activation_checkpoint.mode,
-        job_config.parallelism.fsdp_reshard_after_forward,
-    )
-    if chooses and device_type() == "cuda":
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return total * (1.0 - GPU_MEMORY_MARGIN)
-    return None
+    available, _source = memory_per_rank()
+    return available * (1.0 - MEMORY_MARGIN)
 
 
 def plan_cache_folder(job_config: JobConfig) -> Path | None:
