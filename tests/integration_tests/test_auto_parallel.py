@@ -20,6 +20,7 @@ from torchtitan.tools.loss_compare import assert_losses_close, preflight, read_g
 
 GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
 AUTO = ["--model.name", "llama3_auto_parallel"]
+AP_SECTION = ["--job.custom_config_module", "torchtitan.experiments.auto_parallel.job_config"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 MESHES = {
     "dp4": ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "1"],
@@ -103,14 +104,15 @@ def _lowered_collectives(output: str, op: str) -> int:
 
 
 def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path):
-    """Compile the auto-parallel dp4 module with the bucketing/reordering knobs: inductor's
-    output code holds fewer all-gathers than the lowered graphs it was given, and the run
-    still reproduces the 1-rank curve.
+    """Compile the auto-parallel dp4 module (FSDP-like: parameters split 4 ways) with the
+    bucketing/reordering knobs: inductor's output code holds fewer all-gathers than the
+    lowered graphs it was given, and the run still reproduces the 1-rank curve.
 
     `force_disable_caches` makes inductor run its passes even when a graph is cached, and
     TORCH_LOGS=output_code prints the generated code, where the collectives are counted.
     """
-    args = [*AUTO, *MESHES["dp4"], "--compile.enable", "--compile.force_disable_caches"]
+    fsdp = [*AP_SECTION, "--autoparallel.max_parameter_fraction", "fsdp"]  # gathers to bucket
+    args = [*AUTO, *MESHES["dp4"], *fsdp, "--compile.enable", "--compile.force_disable_caches"]
     tuned = run_training(
         4,
         [*args, *COMMS_KNOBS, "--training.steps", "4"],
@@ -183,7 +185,6 @@ def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="auto mesh vs 1 rank")
 
 
-AP_SECTION = ["--job.custom_config_module", "torchtitan.experiments.auto_parallel.job_config"]
 W1_PATTERN = "layers.*.feed_forward.w1.weight"
 PLAN_FILE = "--autoparallel.plan_file"
 
