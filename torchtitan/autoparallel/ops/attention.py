@@ -11,10 +11,11 @@ with or without a mask that needs no gradient (a boolean one becomes additive, a
 it; transformers' decoders pass one while traced) — to `torch.ops.titan.sdpa` (forward) and
 `torch.ops.titan.sdpa_backward`, so the joint graph holds attention as two nodes.  Their
 sharding rules (registered with DTensor, so the same rules serve planning and execution) split
-batch or heads on any mesh dim; the backward recomputes the forward from q, k, v (saved
-activations are those of a flash kernel: q, k, v). On CPU both run torch's fused flash kernels
-— the forward is the very call the unplanned model makes; elsewhere the forward is
-`F.scaled_dot_product_attention` and the backward the textbook softmax gradient.  Other SDPA
+batch or heads on any mesh dim; the saved activations are those of a flash kernel (q, k, v,
+the output and its log-sum-exp), never the `seq x seq` probabilities. On CPU both run torch's
+fused flash kernels — the very calls the unplanned model makes, so the backward reuses the
+forward's log-sum-exp; elsewhere the forward is `F.scaled_dot_product_attention` and the
+backward recomputes (the flash kernel on a GPU in 16 bits, else the textbook gradient).  Other SDPA
 calls keep the MATH decomposition.
 """
 
@@ -35,20 +36,44 @@ from torch.utils.flop_counter import register_flop_formula
 _aten = torch.ops.aten
 
 
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return out.contiguous(), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.custom_op("titan::sdpa", mutates_args=())
 def sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """Attention over [batch, heads, seq, head_dim]; `mask` (or None) is added to the scores
-    (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]); output contiguous."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
-    ).contiguous()
+    (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]).  Returns the output
+    (contiguous) and each query's log-sum-exp of its scores ([batch, heads, q_seq], float32),
+    which the backward reuses where the device's fused kernel gives it (`_fused_on_cpu`);
+    elsewhere it is left unset and the backward recomputes what it needs."""
+    return _attention(q, k, v, mask, is_causal, scale)
+
+
+def _fused_on_cpu(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """The fused CPU kernels take these (their one limit here: equal head dims)."""
+    return q.shape[-1] == k.shape[-1] == v.shape[-1]
+
+
+@sdpa.register_kernel("cpu")
+def _(q, k, v, mask, is_causal, scale):
+    if not _fused_on_cpu(q, k, v):
+        return _attention(q, k, v, mask, is_causal, scale)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return out.contiguous(), lse.float()
 
 
 @sdpa.register_fake
 def _(q, k, v, mask, is_causal, scale):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def softmax_attention_backward(
@@ -85,21 +110,21 @@ def sdpa_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    out: Tensor,
+    lse: Tensor,
     mask: Tensor | None,
     is_causal: bool,
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of `sdpa` w.r.t. q, k, v, recomputing the forward; outputs contiguous."""
+    """Gradients of `sdpa` w.r.t. q, k, v, from its inputs, output and log-sum-exp (or
+    recomputing the forward where the device's kernel left that unset); outputs contiguous."""
     return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
 
 
 @sdpa_backward.register_kernel("cpu")
-def _(grad_out, q, k, v, mask, is_causal, scale):
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # the fused CPU kernel's one limit here
+def _(grad_out, q, k, v, out, lse, mask, is_causal, scale):
+    if not _fused_on_cpu(q, k, v):
         return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
-    )
     grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )
@@ -107,7 +132,7 @@ def _(grad_out, q, k, v, mask, is_causal, scale):
 
 
 @sdpa_backward.register_kernel("cuda")
-def _(grad_out, q, k, v, mask, is_causal, scale):
+def _(grad_out, q, k, v, _out, _lse, mask, is_causal, scale):
     # 16-bit with equal head dims and no mask: recompute with the flash kernel, then its
     # backward (no seq x seq tensor); anything else takes the textbook gradient
     if (
@@ -140,19 +165,21 @@ def _(grad_out, q, k, v, mask, is_causal, scale):
 
 
 @sdpa_backward.register_fake
-def _(grad_out, q, k, v, mask, is_causal, scale):
+def _(grad_out, q, k, v, out, lse, mask, is_causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, is_causal, scale = inputs
-    ctx.save_for_backward(q, k, v, mask)
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
-def _backward(ctx, grad_out):
-    q, k, v, mask = ctx.saved_tensors
-    dq, dk, dv = sdpa_backward(grad_out, q, k, v, mask, ctx.is_causal, ctx.scale)
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = sdpa_backward(grad_out, q, k, v, out, lse, mask, ctx.is_causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
@@ -174,15 +201,16 @@ def _split_alike(n_out: int, n_tensor_in: int, mask) -> list:
 
 @register_sharding(torch.ops.titan.sdpa.default)
 def _sdpa_sharding(q, k, v, mask, is_causal, scale):
-    return _split_alike(1, 3, mask)
+    return _split_alike(2, 3, mask)
 
 
 @register_sharding(torch.ops.titan.sdpa_backward.default)
-def _sdpa_backward_sharding(grad_out, q, k, v, mask, is_causal, scale):
-    return _split_alike(3, 4, mask)
+def _sdpa_backward_sharding(grad_out, q, k, v, out, lse, mask, is_causal, scale):
+    return _split_alike(3, 6, mask)
 
 
-# ---- FLOPs for the cost model: 2 matmuls forward; backward recomputes them and adds 4
+# ---- FLOPs for the cost model: 2 matmuls forward; the backward's 4, priced with the 2 of
+# the forward it recomputes off CPU
 def _attention_flops(q_shape, k_shape, v_shape) -> int:
     *batch, lq, e = q_shape
     return 2 * math.prod(batch) * lq * k_shape[-2] * (e + v_shape[-1])
@@ -266,7 +294,8 @@ class _RouteAttention(TorchFunctionMode):
             a = _sdpa_args(*args, **kwargs)
             if _routable(a):
                 mask = _additive(a["attn_mask"], a["q"].dtype)
-                return sdpa(a["q"], a["k"], a["v"], mask, bool(a["is_causal"]), a["scale"])
+                out, _lse = sdpa(a["q"], a["k"], a["v"], mask, bool(a["is_causal"]), a["scale"])
+                return out
         return func(*args, **kwargs)
 
 
