@@ -136,8 +136,10 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
 
 def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
     """One step after two warm-up steps, counted with torch.profiler's gloo events: the
-    executor's per-unit buckets must not issue more collectives than FSDP2's per-block ones."""
-    counts = {}
+    executor's per-unit buckets must not issue more collectives than FSDP2's per-block ones.
+    With memory to spare (the default budget: a rank's share of the RAM) the plan replicates
+    the parameters, DDP-like: the step's only collectives are all-reduces."""
+    counts, outputs = {}, {}
     for name in ("llama3", "llama3_auto_parallel"):
         run = run_training(
             4,
@@ -153,7 +155,9 @@ def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
             tmp_path / name,
         ).check()
         counts[name] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
+        outputs[name] = run.output
     assert 0 < counts["llama3_auto_parallel"] <= counts["llama3"], counts
+    assert re.search(r"step 3: \d+ collectives \(all_reduce \d+\)", outputs["llama3_auto_parallel"])
 
 
 def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train_on_ranks):

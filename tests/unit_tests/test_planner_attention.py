@@ -118,3 +118,20 @@ def test_value_read_by_three_consumers_is_gathered_once():
     )
     assert plan.nodes["mul"]["out"] == ["S(0)"] and plan.nodes["mul"]["hubs"] == ["R"]
     assert plan.predicted["fwd_comm_us"] == pytest.approx(one_gather)
+
+
+@pytest.mark.parametrize("head_dim_v", [8, 4])  # the fused CPU kernels, and the fallback
+def test_attention_ops_real_kernels_agree_with_their_fake_ones(head_dim_v):
+    """`torch.library.opcheck`: the shapes, strides and dtypes the fake kernels promise (what
+    `torch.compile` plans with) are what the CPU kernels return, autograd included."""
+    from torchtitan.autoparallel.ops.attention import sdpa_backward
+
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)
+    v = torch.randn(2, 4, 16, head_dim_v)
+    fwd_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, True, None)
+    torch.library.opcheck(sdpa, fwd_args)
+    out, lse = sdpa(*(t.detach() for t in (q, k, v)), None, True, None)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(
+        sdpa_backward, (grad, q.detach(), k.detach(), v.detach(), out, lse, None, True, None)
+    )

@@ -40,7 +40,7 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-    return out.contiguous(), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return out.contiguous(), q.new_zeros(q.shape[:-1], dtype=torch.float32)  # unset: zeros
 
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
@@ -51,7 +51,7 @@ def sdpa(
     (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]).  Returns the output
     (contiguous) and each query's log-sum-exp of its scores ([batch, heads, q_seq], float32),
     which the backward reuses where the device's fused kernel gives it (`_fused_on_cpu`);
-    elsewhere it is left unset and the backward recomputes what it needs."""
+    elsewhere it is left unset (zeros) and the backward recomputes what it needs."""
     return _attention(q, k, v, mask, is_causal, scale)
 
 
@@ -67,7 +67,7 @@ def _(q, k, v, mask, is_causal, scale):
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
-    return out.contiguous(), lse.float()
+    return out.contiguous(), lse.float().contiguous()
 
 
 @sdpa.register_fake
