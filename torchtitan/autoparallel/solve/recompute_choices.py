@@ -28,7 +28,7 @@ on their edges, whatever the policy (an upper bound: they are few).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -125,25 +125,28 @@ class RecomputeChoices:
                     c = prog.prices.compute_cost(rep, s) * k
                     if c:
                         m.cost[self.column(b, node, s, p)] += c
-            self._add_comm(p, set(nodes))
+            self._add_comm(p, nodes)
 
-    def _add_comm(self, policy: str, recomputed: set) -> None:
+    def _add_comm(self, policy: str, recomputed: Iterable[fx.Node]) -> None:
+        """Recomputed communication on the edges, for a pinned policy (with choices it is
+        reported, not priced: see the module docstring)."""
+        if self.auto:
+            return
         m = self.p.m
         per_block: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         for b, y in self._recomputed_edges(recomputed):
             per_block[b][y] += self.p.scaled_comm(y) * self.count(b, policy)
-        if self.auto:  # see the module docstring
-            return
         for coef in per_block.values():
             for y, c in coef.items():
                 m.cost[y] += c
 
-    def _recomputed_edges(self, recomputed: set) -> Iterator[tuple[str, int]]:
-        """(block, y) of every redistributing pair into a recomputed node."""
-        for key, pairs in self.p.edge_pair_vars.items():
-            if isinstance(key, ConsumerEdge) and key.node in recomputed:
-                b = block_of(key.node)
-                for y, o, r in pairs:
+    def _recomputed_edges(self, recomputed: Iterable[fx.Node]) -> Iterator[tuple[str, int]]:
+        """(block, y) of every redistributing pair into a recomputed node (each node once)."""
+        edge_pairs = self.p.edge_pair_vars
+        for node in recomputed:
+            b = block_of(node)
+            for k in range(len(self.p.table.nodes[node].sources)):
+                for y, o, r in edge_pairs.get(ConsumerEdge(node, k), ()):
                     if o != r:
                         yield b, y
 
@@ -186,7 +189,7 @@ class RecomputeChoices:
             for n in nodes:
                 k = counts.get(block_of(n), {}).get(p, 0)
                 total += prog.prices.compute_cost(prog.rep[n], choice[n]) * k
-            for b, y in self._recomputed_edges(set(nodes)):
+            for b, y in self._recomputed_edges(nodes):
                 if values[y] > 0.5:
                     total += prog.scaled_comm(y) * counts.get(b, {}).get(p, 0)
         return total
