@@ -23,8 +23,9 @@ def dp4(fake_world):
         yield init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
 
 
-def lowered(mesh, model_fn, example, fsdp=False, **kw):
-    """The LoweredPlan of one step; `fsdp` pins every parameter to Shard(0) (FSDP's plan)."""
+def lowered(mesh, model_fn, example, fsdp=False, ddp=False, **kw):
+    """The LoweredPlan of one step; `fsdp` pins every parameter to Shard(0) (FSDP's plan),
+    `ddp` to Replicate() (DDP's)."""
     with torch.device("meta"):
         model = model_fn()
     with AutoParallel(
@@ -34,10 +35,13 @@ def lowered(mesh, model_fn, example, fsdp=False, **kw):
         cost_model="h100",
         **kw,
     ) as autop:
-        autop.add_parameter_memory_constraint()
+        if not ddp:
+            autop.add_parameter_memory_constraint()
         for fqn, p in model.named_parameters():
             if fsdp and p.shape[0] % 4 == 0:
                 autop.add_parameter_constraint(fqn, (Shard(0),))
+            if ddp:
+                autop.add_parameter_constraint(fqn, (Replicate(),))
         autop.add_input_constraints([(Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
         pm = autop.apply_placement(autop.optimize_placement())
@@ -72,6 +76,29 @@ def test_one_gather_and_one_reduction_per_unit(dp4):
     ]
     assert again and all(len(u) == 1 for u in again), again
     assert len({u for (u,) in again}) == len(again), again
+
+
+def test_replicated_gradients_share_ddp_sized_all_reduce_buckets(dp4, monkeypatch):
+    """DDP's plan: the units' gradient all-reduces are coalesced in the backward's order into
+    buckets of up to 25 MiB (the whole model here: one), and a smaller cap splits them at
+    unit boundaries, never above the cap unless one unit alone is larger."""
+    from torchtitan.autoparallel.execute import buckets
+
+    def all_reduces(lp):
+        return nodes(lp.partition.bwd, buckets.AR)
+
+    example = torch.randn(64, 16, 32)
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), example, ddp=True)
+    assert lp.stats["bwd_before"]["all_reduce"] > 6  # every weight and bias
+    assert len(all_reduces(lp)) == 1
+    assert not nodes(lp.partition.bwd, RS)
+    unit_bytes = (32 * 64 + 64 + 64 * 32 + 32) * 4  # one block's weights and biases
+    monkeypatch.setattr(buckets, "ALL_REDUCE_BUCKET_BYTES", 2 * unit_bytes)
+    lp = lowered(dp4, lambda: MLPStack(n_layers=5), example, ddp=True)
+    sizes = [
+        sum(buckets._bytes(piece.args[0]) for piece in c.args[0].args[0]) for c in all_reduces(lp)
+    ]
+    assert len(sizes) == 3 and all(s <= 2 * unit_bytes for s in sizes), sizes
 
 
 def test_next_units_gather_overlaps_compute(dp4):
@@ -160,21 +187,27 @@ def _gradient_chains(part, units):
     pos = {n: i for i, n in enumerate(order)}
     out = next(n for n in order if n.op == "output")
     chains: dict[str, tuple[list[int], set]] = {}
+    final_all_reduces = set()  # the last reduction of a chain, an all-reduce: DDP-bucketed
     for g, fqn in zip(out.args[0], part.grad_names):
         made, reductions = chains.setdefault(unit_of(fqn, units), ([], set()))
+        first = True
         while (step := one_source(g)) is not None and step[0].op == "call_function":
             if g.target in (RS, AR):
                 reductions.add(g)
+                if first and g.target is AR:
+                    final_all_reduces.add(g)
+                first = False
             g = step[0]
         made.append(pos[g])
-    return chains, pos
+    return chains, pos, final_all_reduces
 
 
 def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
     """On dp x tp a weight gradient can be reduced on both dims (tp first, as a split and
     re-join around the collective): each unit's reductions are issued before the next unit's
     gradients are all made, not after the whole backward (which kept every block's unreduced
-    gradients alive)."""
+    gradients alive) — except the all-reduces that leave a gradient replicated, which save
+    no memory by going early and share DDP-sized buckets."""
     import dataclasses
 
     from torchtitan.models.llama3.args import llama3_configs
@@ -201,7 +234,7 @@ def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
         pm.init_weights()
         pm(torch.zeros(2, 128, dtype=torch.long)).float().pow(2).mean().backward()
     (lp,) = pm._ap_executor.lowered.values()
-    chains, pos = _gradient_chains(lp.partition, pm._ap_executor.units)
+    chains, pos, final_all_reduces = _gradient_chains(lp.partition, pm._ap_executor.units)
     done = sorted(chains, key=lambda u: max(chains[u][0]))  # units in the backward's order
     assert sum(len(r) for _m, r in chains.values()) >= len(done), "expected reductions"
     # a collective's last argument is its group: one per mesh dim
@@ -210,7 +243,8 @@ def test_gradients_reduced_block_by_block_on_a_2d_mesh(fake_world):
     )
     for unit, nxt in zip(done, done[1:]):
         last_made_next = max(chains[nxt][0])
-        late = [r.name for r in chains[unit][1] if pos[r] > last_made_next]
+        # (a chain's final all-reduce shares a bucket across units, as DDP's do)
+        late = [r.name for r in chains[unit][1] - final_all_reduces if pos[r] > last_made_next]
         assert not late, f"{unit}'s reductions {late} wait for {nxt}'s gradients"
 
 

@@ -23,6 +23,10 @@ collectives are where a rank blocks):
   for just before their own first consumer; when the units between keep their gathered
   parameters (regather.py) there is no gather to overlap, and holding this one's across them
   would cost their memory: it is issued just before its first consumer;
+* gradient all-reduces that end their chains (a gradient left replicated on that dim,
+  DDP-like) of consecutive units share one bucket of up to 25 MiB, as DDP's do (nothing is
+  freed by reducing such a gradient early, so only the calls are saved); other reductions
+  stay per unit;
 * a unit's gradient reductions are issued as soon as its last gradient is computed (a later
   level as soon as the earlier one is done; also a reduction no other one merges with, which
   the lowering emits after the whole backward) and the last level is waited for right after
@@ -80,6 +84,15 @@ def bucket_collectives(part: Partition, units: list[str], enabled: bool = True) 
     stats["fwd"] = count_collectives(part.fwd)
     stats["bwd"] = count_collectives(part.bwd)
     return stats
+
+
+# DDP's default bucket (`bucket_cap_mb=25`)
+ALL_REDUCE_BUCKET_BYTES = 25 * 2**20
+
+
+def _bytes(n: fx.Node) -> int:
+    v = n.meta["val"]
+    return v.numel() * v.element_size()
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -214,6 +227,7 @@ class _GraphBuckets:
                 )
             ].append(c)
 
+        groups = self._coalesce_all_reduces(groups)
         anchor: dict[fx.Node, float] = {}  # issue position of each collective we schedule
         reduction_waits: list[fx.Node] = []  # waits of a chain's last reduction
         order = sorted(unit_first, key=unit_first.__getitem__)
@@ -237,6 +251,36 @@ class _GraphBuckets:
                 elif last:
                     reduction_waits.append(next(iter(c.users)))
         return self._schedule(anchor, reduction_waits, reduction_chains)
+
+    def _coalesce_all_reduces(self, groups: dict[tuple, list[fx.Node]]) -> dict[tuple, list]:
+        """Gradient all-reduces that end their chains (gradients left replicated on that
+        mesh dim, DDP-like) of consecutive units, in the order the backward makes them, share
+        one bucket of up to `ALL_REDUCE_BUCKET_BYTES`, as DDP's do: such a gradient takes the
+        same memory whether it is reduced early or late, so only the calls are saved.  Other
+        groups (an all-reduce a reduce-scatter follows frees memory when done) keep their
+        unit."""
+        if not self.enabled:
+            return groups
+        out: dict[tuple, list[fx.Node]] = {}
+        runs: dict[tuple, list[tuple[float, list[fx.Node]]]] = defaultdict(list)
+        for key, members in groups.items():
+            if key[3] is AR and key[2]:  # the last reduction of its chains
+                ready = max(self.index[arg_node(c)] for c in members)
+                runs[key[1:]].append((ready, members))
+            else:
+                out[key] = members
+        for rest, unit_groups in runs.items():
+            bucket: list[fx.Node] = []
+            size = count = 0
+            for _ready, members in sorted(unit_groups, key=lambda g: g[0]):
+                nbytes = sum(_bytes(arg_node(c)) for c in members)
+                if bucket and size + nbytes > ALL_REDUCE_BUCKET_BYTES:
+                    out[(f"all-reduce bucket {count}",) + rest] = bucket
+                    bucket, size, count = [], 0, count + 1
+                bucket = bucket + members
+                size += nbytes
+            out[(f"all-reduce bucket {count}",) + rest] = bucket
+        return out
 
     def _merge(self, target, members: list[fx.Node]) -> fx.Node:
         """Replace `members` (same op, group and dtype) by one collective on a flat buffer."""
