@@ -136,30 +136,31 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
     )
 
 
-def test_auto_dp4_issues_no_more_collectives_than_fsdp2(tmp_path):
-    """One step after two warm-up steps, counted with torch.profiler's gloo events: the
-    executor's per-unit buckets must not issue more collectives than FSDP2's per-block ones.
-    With memory to spare (the default budget: a rank's share of the RAM) the plan replicates
-    the parameters, DDP-like: the step's only collectives are all-reduces."""
+def test_auto_dp4_issues_no_more_collectives_than_ddp(tmp_path):
+    """One step after two warm-up steps, counted with torch.profiler's gloo events.  With
+    memory to spare (the default budget: a rank's share of the RAM) the plan replicates the
+    parameters, DDP-like: the step's only collectives are all-reduces, and its gradient
+    buckets issue no more than DDP's (which issues fewer than FSDP2)."""
+    ddp = ["--parallelism.data_parallel_replicate_degree", "4"]
+    ddp += ["--parallelism.data_parallel_shard_degree", "1"]
     counts, outputs = {}, {}
-    for name in ("llama3", "llama3_auto_parallel"):
+    for label, name, mesh in (
+        ("fsdp", "llama3", MESHES["dp4"]),
+        ("ddp", "llama3", [*ddp, "--training.local_batch_size", "1"]),
+        ("planned", "llama3_auto_parallel", MESHES["dp4"]),
+    ):
         run = run_training(
             4,
-            [
-                "--model.name",
-                name,
-                *MESHES["dp4"],
-                "--training.steps",
-                "3",
-                "--metrics.count_collectives_step",
-                "3",
-            ],
-            tmp_path / name,
+            ["--model.name", name, *mesh, "--training.steps", "3"]
+            + ["--metrics.count_collectives_step", "3"],
+            tmp_path / label,
         ).check()
-        counts[name] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
-        outputs[name] = run.output
-    assert 0 < counts["llama3_auto_parallel"] <= counts["llama3"], counts
-    assert re.search(r"step 3: \d+ collectives \(all_reduce \d+\)", outputs["llama3_auto_parallel"])
+        counts[label] = int(re.search(r"step 3: (\d+) collectives", run.output).group(1))
+        outputs[label] = run.output
+    assert 0 < counts["planned"] <= counts["ddp"] < counts["fsdp"], counts
+    # its gradients in DDP-sized buckets: the whole debug model's in one all-reduce
+    assert re.search(r"step 3: \d+ collectives \(all_reduce \d+\)", outputs["planned"])
+    assert "lowered graphs: collectives forward none, backward 1 all_reduce" in outputs["planned"]
 
 
 def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train_on_ranks):
