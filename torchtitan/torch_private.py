@@ -78,6 +78,8 @@ DataDependentOutputException, FakeTensorMode = _require(
     "torch._subclasses.fake_tensor", "DataDependentOutputException", "FakeTensorMode"
 )
 (compile_session_context,) = _require("torch.compiler", "_compile_session_context")
+# a module whose inputs inductor's compile_fx takes as one list it empties (boxed call)
+(GmWrapper,) = _require("torch._dynamo.utils", "GmWrapper")
 
 # DTensor's redistribution-cost helper, which strategy enumeration calls and the planner
 # replaces while enumerating (strategies.py prices edges itself).  Each strategy module

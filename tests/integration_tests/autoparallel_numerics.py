@@ -198,7 +198,10 @@ def run_one(model_name, mesh_name, world, bf16=False):
     recompute = model_name.endswith("+recompute")
     # "<model>+ep": the routed experts split over the first mesh dim (expert parallelism)
     expert_parallel = model_name.endswith("+ep")
-    base = model_name.removesuffix("+recompute").removesuffix("+ep")
+    # "<model>+replicated": no parameter memory bound, as the trainer's default when memory is
+    # plentiful; on a data-parallel mesh the solver then replicates (DDP-like plan)
+    replicated = model_name.endswith("+replicated")
+    base = model_name.removesuffix("+recompute").removesuffix("+ep").removesuffix("+replicated")
     if recompute and base == "llama":
         os.environ.setdefault("AP_LLAMA_LAYERS", "4")
     make_model, make_inputs, make_labels, kind = models()[base]
@@ -237,7 +240,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
     ) as autop:
         if recompute:
             autop.set_recompute(mixed_recompute(autop.blocks))
-        autop.add_parameter_memory_constraint()
+        if not replicated:
+            autop.add_parameter_memory_constraint()
         if expert_parallel:
             autop.add_expert_parallel_constraint(0)
         autop.add_input_constraints([batch_pin])
@@ -341,8 +345,28 @@ def run_one(model_name, mesh_name, world, bf16=False):
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
     if recompute:
         check_recomputes(model_name, mesh_name, pm, plan)
+    if replicated:
+        check_replicated(model_name, mesh_name, pm, plan)
     if base.startswith("moe"):
         check_expert_layout(model_name, mesh_name, pm, expert_parallel)
+
+
+def check_replicated(model_name, mesh_name, pm, plan) -> None:
+    """A DDP-like plan: every parameter whole on every rank, and its backward reduces the
+    gradients with all-reduces only (in DDP-sized buckets, executor.py), no reduce-scatter."""
+    from torchtitan.autoparallel.execute.buckets import AR, RS
+
+    whole = [k for k, v in plan.params.items() if set(v) == {"R"}]
+    (lp,) = pm._ap_executor.lowered.values()
+    bwd = [n for n in lp.partition.bwd.graph.nodes if n.op == "call_function"]
+    n_ar = sum(n.target is AR for n in bwd)
+    n_rs = sum(n.target is RS for n in bwd)
+    check(
+        f"{model_name}/{mesh_name} params replicated {len(whole)} of {len(plan.params)}, "
+        f"backward all-reduces {n_ar}",
+        len(whole) == len(plan.params) and n_ar >= 1 and n_rs == 0,
+        f"not replicated: {[k for k in plan.params if k not in whole][:3]}; reduce-scatters {n_rs}",
+    )
 
 
 def check_expert_layout(model_name, mesh_name, pm, expert_parallel: bool) -> None:

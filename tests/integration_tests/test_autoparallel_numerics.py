@@ -232,10 +232,20 @@ def test_moe_on_all_meshes_and_with_expert_parallelism():
         assert f"moe+ep/{mesh} expert-parallel kernels 4 of 4" in checks
 
 
-def test_moe_expert_parallel_compiled():
-    checks = _torchrun("moe+ep", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
+def test_replicated_plan_matches_single_process():
+    """With no parameter bound (the trainer's default when memory is plentiful) the dp4 plan
+    replicates every parameter and all-reduces the gradients: every gradient at 5 steps."""
+    checks = _torchrun("llama+replicated", "dp4")
+    assert "llama+replicated/dp4 grads x5" in checks
+    assert "llama+replicated/dp4 params replicated 21 of 21, backward all-reduces" in checks
+
+
+def test_expert_parallel_and_replicated_plans_compiled():
+    checks = _torchrun("moe+ep,llama+replicated", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "moe+ep+compile/dp4 grads x5" in checks
     assert "moe+ep+compile/dp4 expert-parallel kernels 4 of 4" in checks
+    assert "llama+replicated+compile/dp4 grads x5" in checks
+    assert "llama+replicated+compile/dp4 params replicated 21 of 21" in checks
 
 
 @needs_transformers

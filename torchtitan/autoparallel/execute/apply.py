@@ -39,7 +39,7 @@ from .interpret import PlanInterpreter
 class Executor(Protocol):
     def run(self, module: nn.Module, args: tuple) -> Any: ...
 
-    def compile(self, **kwargs: Any) -> None: ...
+    def compile(self, options: dict | None = None) -> None: ...
 
 
 def lowered_executor(
@@ -68,7 +68,7 @@ def build_parallel_module(
     model: nn.Module, plan: Plan, mesh: DeviceMesh, executor: Executor
 ) -> nn.Module:
     """Copy `model` (on meta), swap in DTensor params/buffers, and route forward to
-    `executor` (anything with `run(module, args)` and `compile(**kwargs)`)."""
+    `executor` (anything with `run(module, args)` and `compile(options)`)."""
     pm = copy.deepcopy(model)
     rep = tuple(Replicate() for _ in mesh.shape)
     # id(original tensor) -> placement, through every alias FQN
@@ -100,10 +100,10 @@ def build_parallel_module(
     def forward(self, *args):
         return self._ap_executor.run(self, args)
 
-    def compile(self, *args, **kwargs):
-        """Run the plan's lowered local graphs compiled (executor.py); kwargs go to
-        torch.compile."""
-        self._ap_executor.compile(**kwargs)
+    def compile(self, options: dict | None = None):
+        """Run the plan's lowered local graphs compiled by inductor (executor.py); `options`
+        are inductor config, as in `torch.compile(options=...)`."""
+        self._ap_executor.compile(options)
 
     attrs: dict[str, Any] = {
         "forward": forward,

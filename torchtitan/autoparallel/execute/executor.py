@@ -8,11 +8,12 @@ Per input signature (local shapes and dtypes of parameters, buffers and inputs) 
 lowered once (lower.py), partitioned into a forward and a backward graph, and its collectives
 grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
 ATen ops and functional collectives, no DTensor dispatch.  After `module.compile()` the *same*
-two graphs are handed to `torch.compile`.  The eager backward takes its inputs as one list it
-empties (saved values die at their last use); the compiled one holds them until it returns.  A
-custom autograd function connects them: the forward graph returns the outputs and the saved
-values, the backward graph maps those and the output gradients to parameter gradients in their
-planned placements.
+two graphs are compiled by inductor (through AOTAutograd's decompositions, without dynamo: they
+are ATen graphs already).  Both modes call the graphs boxed, as AOTAutograd calls its compiled
+backward: the inputs come as one list the graph empties, so each saved value dies at its last
+use.  A custom autograd function connects them: the forward graph returns the outputs and the
+saved values, the backward graph maps those and the output gradients to parameter gradients in
+their planned placements.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from torchtitan.torch_private import pytree
+from torchtitan.torch_private import GmWrapper, pytree
 
 from ..errors import PlannerError
 from .buckets import bucket_collectives
@@ -46,7 +47,7 @@ class LoweredPlan:
         locals_: list,
         device,
     ):
-        interp, compile_kwargs = executor.interp, executor.compile_kwargs
+        interp, compile_options = executor.interp, executor.compile_options
         tg = interp.tg
         out_vals = [interp.local_output_meta(i) for i in range(len(tg.outputs))]
         tangent_keys, tangent_pls, tangent_locals = [], [], []
@@ -67,7 +68,7 @@ class LoweredPlan:
         self.stats = bucket_collectives(part, executor.units)
         log.info(
             "lowered graphs%s: collectives forward %s, backward %s",
-            " (to compile)" if compile_kwargs is not None else "",
+            " (to compile)" if compile_options is not None else "",
             _counts(self.stats["fwd"]),
             _counts(self.stats["bwd"]),
         )
@@ -77,20 +78,19 @@ class LoweredPlan:
         slot_of = {interp.param_of.get(k): i for i, k in enumerate(keys) if k in interp.param_of}
         self.grad_slots = [slot_of[f] for f in part.grad_names]
         self.n_in = len(keys)
-        self.fwd: Callable[..., Any]
+        self.fwd: Callable[[list], Any]
         self.bwd: Callable[[list], Any]
-        if compile_kwargs is None:
-            self.fwd, self.bwd = part.fwd, _boxed(part.bwd)
+        if compile_options is None:
+            self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
-            self.fwd = torch.compile(part.fwd, **compile_kwargs)
-            bwd = torch.compile(part.bwd, **compile_kwargs)
-            self.bwd = lambda args: bwd(*args)
+            self.fwd = _InductorOnFirstCall(part.fwd, compile_options)
+            self.bwd = _InductorOnFirstCall(part.bwd, compile_options)
 
 
 class _PlanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp: LoweredPlan, *locals_):
-        res = lp.fwd(*locals_)
+        res = lp.fwd(list(locals_))
         ctx.lp, ctx.saved = lp, res[lp.n_out :]
         # outputs that are also saved would make autograd see a tensor it returns as an input
         # of its own backward; hand out views instead
@@ -110,7 +110,7 @@ class _PlanFunction(torch.autograd.Function):
             tangents.append(g.contiguous())
         args = [*ctx.saved, *tangents]
         ctx.saved = tangents = None
-        out = lp.bwd(args)  # eager: the graph empties `args`, freeing each input after last use
+        out = lp.bwd(args)  # the graph empties `args`, freeing each input after its last use
         res: list = [None] * lp.n_in
         for slot, g in zip(lp.grad_slots, out):
             res[slot] = g
@@ -132,6 +132,28 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+class _InductorOnFirstCall:
+    """`gm` compiled by inductor when first called (its example inputs are the first call's),
+    then called boxed: the list of inputs is emptied as the compiled code runs."""
+
+    def __init__(self, gm: fx.GraphModule, options: dict):
+        self.gm, self.options = gm, options
+        self.compiled: Callable[[list], Any] | None = None
+
+    def __call__(self, args: list) -> Any:
+        if self.compiled is None:
+            from torch._inductor.compile_fx import compile_fx
+
+            examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            with torch.no_grad():
+                compiled = compile_fx(
+                    GmWrapper(self.gm, list), examples, config_patches=self.options or None
+                )
+            assert callable(compiled), compiled
+            self.compiled = compiled
+        return self.compiled(args)
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the backward scales the gradient (1 / ranks splitting the batch, so a
     per-rank mean loss gives the global-mean gradient, as DDP and FSDP do)."""
@@ -151,8 +173,8 @@ class LoweredExecutor:
 
     `kept`: parameters whose gathered values the forward keeps for the backward (None: all);
     `recompute`: block label -> activation recompute policy; `units`: the FSDP units whose
-    collectives are bucketed together.  `compile(**kwargs)` hands the same graphs to
-    `torch.compile` from the next call on."""
+    collectives are bucketed together.  `compile(options)` has inductor compile the same
+    graphs from the next call on (`options`: inductor config, as `torch.compile(options=...)`)."""
 
     def __init__(
         self,
@@ -162,11 +184,11 @@ class LoweredExecutor:
         units: list[str],
     ):
         self.interp, self.kept, self.recompute, self.units = interp, kept, recompute, units
-        self.compile_kwargs: dict | None = None
+        self.compile_options: dict | None = None
         self.lowered: dict[tuple, LoweredPlan] = {}  # input signature -> its graphs
 
-    def compile(self, **kwargs: Any) -> None:
-        self.compile_kwargs = dict(kwargs)
+    def compile(self, options: dict | None = None) -> None:
+        self.compile_options = dict(options or {})
 
     @torch._dynamo.disable
     def run(self, module: nn.Module, args: tuple) -> Any:
@@ -182,7 +204,7 @@ class LoweredExecutor:
         keys = list(env)
         values = [env[k] for k in keys]
         locals_ = [v.to_local() for v in values]
-        compiled = self.compile_kwargs is not None
+        compiled = self.compile_options is not None
         sig = (compiled, tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
         lp = self.lowered.get(sig)
         if lp is None:
@@ -190,7 +212,7 @@ class LoweredExecutor:
             detached = [x.detach() for x in locals_]
             lp = self.lowered[sig] = LoweredPlan(self, keys, placements, detached, device)
         if not torch.is_grad_enabled():
-            return list(lp.fwd(*locals_)[: lp.n_out])
+            return list(lp.fwd(list(locals_))[: lp.n_out])
         # to_local keeps autograd: gradients of the local shards flow back into the params
         return list(_PlanFunction.apply(lp, *locals_))
 

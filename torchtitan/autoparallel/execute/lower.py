@@ -20,6 +20,7 @@ forward use.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +158,13 @@ def partition(
         if n not in forward:
             forward.add(n)
             stack.extend(n.all_input_nodes)
+    # an item of a forward op's tuple result is a forward value: the backward saves the items
+    # it reads, never a whole tuple (graphs take and return flat tensors)
+    forward |= {
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in forward
+    }
     backward = {
         n
         for n in graph.nodes
