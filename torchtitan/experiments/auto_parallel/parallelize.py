@@ -50,6 +50,7 @@ from torchtitan.experiments.auto_parallel.memory_check import check_plan_fits, m
 from torchtitan.experiments.auto_parallel.pins import job_pins, match_pins
 from torchtitan.experiments.auto_parallel.steering import job_plan_file
 from torchtitan.protocols.train_spec import MeshChoice
+from torchtitan.tools.heap import give_back_freed_heap
 from torchtitan.tools.logging import logger
 
 
@@ -113,9 +114,11 @@ def parallelize_auto(
     with the mesh search's `mesh_choice`, apply the plan it made for this mesh."""
     searched = mesh_choice.plan if mesh_choice is not None else None
     try:
-        return _parallelize(model, parallel_dims, job_config, vocab_size, searched)
+        parallel_model = _parallelize(model, parallel_dims, job_config, vocab_size, searched)
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise planner_error(e, job_config) from None
+    give_back_freed_heap()  # the planner's working set is garbage now (tools/heap.py)
+    return parallel_model
 
 
 def planner_error(e: PlannerError, job_config: JobConfig) -> UserInputError:
@@ -279,7 +282,7 @@ def _parallelize(
         # One graph for the whole model: its collectives are what inductor's comms
         # passes (bucketing, reordering; see [compile]) work on.
         parallel_model.compile()
-        logger.info("compiled the auto-parallel module with torch.compile")
+        logger.info("the auto-parallel module's lowered graphs will be compiled by inductor")
 
     if loss_parallel:
         tp_mesh = mesh["tp"]
