@@ -6,15 +6,20 @@ are one collective, the next unit's gather is issued before the current unit com
 reshard-after-forward decides which units are gathered again in the backward.
 """
 
+import operator
+import weakref
+
 import pytest
 import torch
-from autoparallel_models import MLPStack, TiedLM
+from autoparallel_models import GPT2Block, MLPStack, TiedLM
 from lowered_graphs import backward_gathered_units, gathered_units, param_gathers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.execute.buckets import RS, WAIT, consecutive_units
+from torchtitan.autoparallel.execute.executor import InductorOnFirstCall
 
 
 @pytest.fixture
@@ -258,3 +263,29 @@ def test_a_gather_is_issued_ahead_only_from_the_unit_before_it():
     assert not consecutive_units("layers.5", "layers.0", units)
     assert not consecutive_units("", "layers.3", units)
     assert not consecutive_units("layers.1", "other.0", units)
+
+
+def test_forward_saves_tensors_for_the_backward_never_tuples(dp4):
+    """A LayerNorm's forward op returns (output, mean, rstd) and its backward reads two of
+    them: the forward graph returns those items, so both graphs take and return flat tensors
+    (what inductor's compile_fx requires, executor.py)."""
+    lp = lowered(dp4, GPT2Block, torch.zeros(8, 16, dtype=torch.long))
+    out = next(n for n in lp.partition.fwd.graph.nodes if n.op == "output")
+    saved = out.args[0][lp.n_out :]
+    assert any(n.target is operator.getitem for n in saved)  # items of a tuple-valued op
+    assert all(isinstance(n.meta["val"], torch.Tensor) for n in saved)
+
+
+def test_a_compiled_graph_is_called_boxed_and_lets_go_of_its_inputs():
+    """The compiled backward takes one list of inputs and empties it, as AOTAutograd calls
+    its compiled backward: once it returns (and, inside, at each input's last use) nothing
+    of the executor holds a saved value."""
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    gm = make_fx(lambda x, y: (torch.mm(x, y).relu().sum(0), y * 2))(a, b)
+    compiled = InductorOnFirstCall(gm, {})
+    args = [a.clone(), b.clone()]
+    first = weakref.ref(args[0])
+    out = compiled(args)
+    assert args == [] and first() is None
+    torch.testing.assert_close(out[0], torch.mm(a, b).relu().sum(0))
+    torch.testing.assert_close(out[1], b * 2)

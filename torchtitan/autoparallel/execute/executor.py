@@ -83,8 +83,8 @@ class LoweredPlan:
         if compile_options is None:
             self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
-            self.fwd = _InductorOnFirstCall(part.fwd, compile_options)
-            self.bwd = _InductorOnFirstCall(part.bwd, compile_options)
+            self.fwd = InductorOnFirstCall(part.fwd, compile_options)
+            self.bwd = InductorOnFirstCall(part.bwd, compile_options)
 
 
 class _PlanFunction(torch.autograd.Function):
@@ -132,7 +132,7 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-class _InductorOnFirstCall:
+class InductorOnFirstCall:
     """`gm` compiled by inductor when first called (its example inputs are the first call's),
     then called boxed: the list of inputs is emptied as the compiled code runs."""
 
