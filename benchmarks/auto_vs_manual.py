@@ -44,7 +44,12 @@ LARGE = {
     ]
 }
 COMPILE = ["--compile.enable"]
-FSDP_SHARE = ["--autoparallel.max_parameter_fraction", "fsdp"]
+FSDP_SHARE = [
+    "--job.custom_config_module",
+    "torchtitan.experiments.auto_parallel.job_config",
+    "--autoparallel.max_parameter_fraction",
+    "fsdp",
+]
 
 
 def main() -> None:

@@ -173,6 +173,13 @@ def test_activation_checkpoint_modes_map_to_recompute_settings():
     )
     with pytest.raises(UserInputError, match="selective_ac_option 'x': use 'op' or a positive"):
         job_recompute(bad, STACK)
+    # every Nth block of no stack would silently recompute nothing
+    with pytest.raises(
+        UserInputError,
+        match=r"selective_ac_option 2: recomputes every Nth block of a stack of repeated blocks, "
+        r"and the planner found none in this model \(a stack is 4 or more",
+    ):
+        job_recompute(every2, SimpleNamespace(blocks=[]))
 
 
 def test_hand_written_llama3_refuses_auto():

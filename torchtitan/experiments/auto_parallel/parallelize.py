@@ -36,6 +36,7 @@ from torchtitan.autoparallel.cost.model import DEVICES, CostModel
 from torchtitan.autoparallel.errors import InfeasiblePlanError
 from torchtitan.autoparallel.plan.display import plan_summary
 from torchtitan.autoparallel.solve.constraints import MemoryBudget
+from torchtitan.autoparallel.trace.repeat import MIN_BLOCKS
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import EP, ParallelDims
 from torchtitan.distributed.utils import (
@@ -206,6 +207,13 @@ def job_recompute(job_config: JobConfig, autop: AutoParallel) -> str | dict[str,
         raise UserInputError(
             f"--activation_checkpoint.selective_ac_option {option!r}: use 'op' or a positive "
             "integer N (checkpoint every Nth block)"
+        )
+    if not autop.blocks:
+        raise UserInputError(
+            f"--activation_checkpoint.selective_ac_option {option}: recomputes every Nth block "
+            "of a stack of repeated blocks, and the planner found none in this model (a stack "
+            f"is {MIN_BLOCKS} or more structurally identical children of a ModuleList, "
+            "ModuleDict or Sequential): use 'op', or --activation_checkpoint.mode full or auto"
         )
     every = int(option)
     return {
