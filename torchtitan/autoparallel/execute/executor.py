@@ -151,6 +151,7 @@ class InductorOnFirstCall:
                 )
             assert callable(compiled), compiled
             self.compiled = compiled
+            del examples  # else the first call would hold every input until it returns
         return self.compiled(args)
 
 
