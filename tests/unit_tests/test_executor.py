@@ -11,15 +11,17 @@ import weakref
 
 import pytest
 import torch
-from autoparallel_models import GPT2Block, MLPStack, TiedLM
+from autoparallel_models import GPT2Block, MLPStack, TiedLM, tiny_llama
 from lowered_graphs import backward_gathered_units, gathered_units, param_gathers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtitan.autoparallel import AutoParallel
+from torchtitan.autoparallel.execute import executor
 from torchtitan.autoparallel.execute.buckets import RS, WAIT, consecutive_units
 from torchtitan.autoparallel.execute.executor import InductorOnFirstCall
+from torchtitan.autoparallel.policies.recompute import fusible
 
 
 @pytest.fixture
@@ -289,3 +291,52 @@ def test_a_compiled_graph_is_called_boxed_and_lets_go_of_its_inputs():
     assert args == [] and first() is None
     torch.testing.assert_close(out[0], torch.mm(a, b).relu().sum(0))
     torch.testing.assert_close(out[1], b * 2)
+
+
+def _saved(lp) -> list:
+    out = next(n for n in lp.partition.fwd.graph.nodes if n.op == "output")
+    return [n for n in out.args[0][lp.n_out :] if n.op != "placeholder"]
+
+
+def _storage_bytes(nodes) -> int:
+    """Bytes of the distinct tensors among `nodes`, a view counted with its base."""
+    bases = set()
+    for n in nodes:
+        while fusible(n) and n.target._schema.returns[0].alias_info is not None:
+            n = n.args[0]
+        bases.add(n)
+    return sum(b.meta["val"].numel() * b.meta["val"].element_size() for b in bases)
+
+
+def test_graphs_to_compile_recompute_pointwise_values_instead_of_saving_them(
+    fake_world, monkeypatch
+):
+    """For inductor the partition recomputes what pointwise ops, views and casts make from
+    values the backward has anyway (a norm's normalised input, SiLU, the gated product):
+    fewer saved bytes, only values the eager partition saved too, the same gradients."""
+    monkeypatch.setattr(executor, "InductorOnFirstCall", lambda gm, options: executor._boxed(gm))
+    with fake_world(1):
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        with torch.device("meta"):
+            model = tiny_llama(n_layers=3, vocab=64, seq=32)
+        with AutoParallel(model, lambda: torch.zeros(4, 32, dtype=torch.long), mesh) as autop:
+            pm = autop.apply_placement(autop.optimize_placement())
+        pm.to_empty(device="cpu")
+        torch.manual_seed(0)
+        pm.init_weights()
+        tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+        runs = []
+        for compiled in (False, True):
+            if compiled:
+                pm.compile()
+            pm(tokens).float().logsumexp(-1).mean().backward()
+            runs.append({n: p.grad.to_local() for n, p in pm.named_parameters()})
+            pm.zero_grad(set_to_none=True)
+    eager, fused = pm._ap_executor.lowered.values()
+    saved_eager, saved_fused = _saved(eager), _saved(fused)
+    assert {n.name for n in saved_fused} < {n.name for n in saved_eager}
+    recomputed = {n.target for n in saved_eager if n.name not in {m.name for m in saved_fused}}
+    assert {torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor} <= recomputed
+    assert _storage_bytes(saved_fused) < 0.7 * _storage_bytes(saved_eager)
+    for name, grad in runs[0].items():
+        assert torch.equal(runs[1][name], grad), name

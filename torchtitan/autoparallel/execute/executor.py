@@ -64,7 +64,9 @@ class LoweredPlan:
         joint = lower_joint(
             interp, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
         )
-        part = partition(joint, executor.kept, executor.recompute)
+        part = partition(
+            joint, executor.kept, executor.recompute, fuse_recompute=compile_options is not None
+        )
         self.stats = bucket_collectives(part, executor.units)
         log.info(
             "lowered graphs%s: collectives forward %s, backward %s",

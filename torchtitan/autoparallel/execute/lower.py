@@ -15,7 +15,10 @@ gradients`.  A value the backward reads is *saved* — unless it is computed fro
 and buffers alone (a gathered weight, its cast and transpose) and reshard after forward
 applies to those parameters: then the backward recomputes it from the sharded parameters
 (the re-gather of FSDP's reshard after forward), and the forward frees it after its last
-forward use.
+forward use.  For graphs inductor compiles, a saved value that pointwise ops, views and casts
+make from values the backward has anyway is recomputed there instead (`recompute_fusible`):
+inductor fuses the recompute into the kernels that read it, as AOTAutograd's min-cut
+partitioner does for a hand-written compiled module.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import PlannerError
 from ..graph.nodes import param_side
-from ..policies.recompute import backward_schedule, block_label, recompute_rule, split_saved
+from ..policies.recompute import (
+    backward_schedule,
+    block_label,
+    recompute_fusible,
+    recompute_rule,
+    split_saved,
+)
 from ..trace.repeat import LABEL_KEY
 from .interpret import PlanInterpreter
 
@@ -134,13 +143,19 @@ def _check_constants(gm: fx.GraphModule, allowed: set[int]) -> None:
 
 
 def partition(
-    joint: LocalJoint, keep: set[str] | None = None, policies: dict[str, str] | None = None
+    joint: LocalJoint,
+    keep: set[str] | None = None,
+    policies: dict[str, str] | None = None,
+    fuse_recompute: bool = False,
 ) -> Partition:
     """Split the local joint graph into forward and backward graphs (see module docstring).
     Values computed from parameters/buffers alone are recomputed in the backward unless they
     read one named in `keep` (None: keep them all).  `policies` (block label -> recompute
     policy, recompute.py) makes blocks recompute their activations in the backward: each
-    recomputed value is made again just before the first backward op that needs it."""
+    recomputed value is made again just before the first backward op that needs it.
+    `fuse_recompute` (for graphs inductor compiles): pointwise values, views and casts made
+    from values the backward has anyway are recomputed rather than saved
+    (`recompute_fusible`)."""
     graph = joint.gm.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     kind = dict(zip(phs, joint.kinds))
@@ -174,7 +189,8 @@ def partition(
     regather: set[fx.Node] = set()
     if keep is not None:
         regather = param_side(graph.nodes, {p for p in params if name[p] not in keep})
-    rule = recompute_rule(policies or {}, param_side(graph.nodes, params), regather.__contains__)
+    of_params = param_side(graph.nodes, params)
+    rule = recompute_rule(policies or {}, of_params, regather.__contains__)
 
     # forward values the backward reads (a gradient that is a forward value counts as read)
     needed = [
@@ -186,6 +202,9 @@ def partition(
     ]
     needed += [(g, None) for g in grad_outs if isinstance(g, fx.Node) and g not in backward]
     saved, recomputed = split_saved(needed, rule)
+    if fuse_recompute:
+        exempt = of_params | {o for o in fwd_outs if isinstance(o, fx.Node)}
+        saved, recomputed = recompute_fusible(list(graph.nodes), saved, recomputed, exempt)
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved.sort(key=order.__getitem__)
 

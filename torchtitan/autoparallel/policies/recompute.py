@@ -24,6 +24,10 @@ values outside every block, graph inputs and parameters.  A value saved for one 
 never also recomputed for another.  Values computed from parameters and buffers alone (a
 gathered weight, its cast and transpose) follow no policy: they are kept or gathered again
 as the unit's re-gather decision says (regather.py), for any reader (`recompute_rule`).
+
+Compiled graphs go one step further (`recompute_fusible`, lower.py only): a saved value that
+fusible ops make from values the backward has anyway is recomputed.  The planner's memory
+model does not count this, so its prediction for a compiled run is an upper bound.
 """
 
 from __future__ import annotations
@@ -121,6 +125,53 @@ def split_saved(
         if not clash:
             return list(saved), recomputed
         forced |= clash
+
+
+# not tagged pointwise, and as cheap to make again in a fused kernel: a reshape, a cast
+_CHEAP_COPIES = {torch.ops.aten._unsafe_view.default, torch.ops.aten._to_copy.default}
+
+
+def fusible(node: fx.Node) -> bool:
+    """A pointwise op, a view or a cast: made again inside the kernel that reads it once
+    compiled, for no extra memory traffic.  Random ops are not (the draw would differ)."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if op.namespace not in ("aten", "prims") or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    is_view = any(r.alias_info is not None for r in op._schema.returns)
+    return torch.Tag.pointwise in op.tags or is_view or op in _CHEAP_COPIES
+
+
+def recompute_fusible(
+    nodes: Sequence[fx.Node],
+    saved: list[fx.Node],
+    recomputed: dict[fx.Node, str | None],
+    exempt: set[fx.Node],
+) -> tuple[list[fx.Node], dict[fx.Node, str | None]]:
+    """`split_saved`'s answer with every saved value that fusible ops make from values the
+    backward has anyway (saved or recomputed) recomputed instead, as AOTAutograd's min-cut
+    partitioner does for compiled graphs: a norm's normalised input, an activation, the gated
+    product of a SwiGLU.  Only saved values leave; none is added, so the saved bytes only
+    shrink.  `exempt` (a forward output, a value of parameters alone that the re-gather
+    decision owns) stays saved.  `nodes`: the graph's nodes in topological order."""
+    have = set(saved) | set(recomputed)
+    makeable: set[fx.Node] = set()
+    for n in nodes:
+        if n not in exempt and fusible(n):
+            if all(a in have or a in makeable for a in n.all_input_nodes):
+                makeable.add(n)
+    moved = [s for s in saved if s in makeable]
+    if not moved:
+        return saved, recomputed
+    recomputed = dict(recomputed)
+    stack = list(moved)
+    while stack:  # the moved values and what they are made from that the backward lacks
+        n = stack.pop()
+        if n not in recomputed:
+            recomputed[n] = block_label(n)
+            stack.extend(a for a in n.all_input_nodes if a not in have)
+    return [s for s in saved if s not in makeable], recomputed
 
 
 def backward_schedule(
