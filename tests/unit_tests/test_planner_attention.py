@@ -120,17 +120,31 @@ def test_value_read_by_three_consumers_is_gathered_once():
     assert plan.predicted["fwd_comm_us"] == pytest.approx(one_gather)
 
 
+def _heads(*shape: int, seq_major: bool) -> torch.Tensor:
+    """A [batch, heads, seq, dim] tensor, laid out [batch, seq, heads, dim] in memory when
+    `seq_major` (a model's q after splitting the heads and transposing)."""
+    b, h, s, d = shape
+    return torch.randn(b, s, h, d).transpose(1, 2) if seq_major else torch.randn(b, h, s, d)
+
+
+@pytest.mark.parametrize("seq_major", [False, True])
 @pytest.mark.parametrize("head_dim_v", [8, 4])  # the fused CPU kernels, and the fallback
-def test_attention_ops_real_kernels_agree_with_their_fake_ones(head_dim_v):
+def test_attention_ops_real_kernels_agree_with_their_fake_ones(head_dim_v, seq_major):
     """`torch.library.opcheck`: the shapes, strides and dtypes the fake kernels promise (what
-    `torch.compile` plans with) are what the CPU kernels return, autograd included."""
+    `torch.compile` plans with) are what the CPU kernels return, autograd included.  The
+    output is laid out like q, so a model merging the heads of a seq-major q copies nothing
+    (the hand-written model's attention saves one tensor for the output and the projection
+    after it, and so does the planned one)."""
     from torchtitan.autoparallel.ops.attention import sdpa_backward
 
-    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)
-    v = torch.randn(2, 4, 16, head_dim_v)
+    q, k = _heads(2, 4, 16, 8, seq_major=seq_major), _heads(2, 4, 16, 8, seq_major=seq_major)
+    v = _heads(2, 4, 16, head_dim_v, seq_major=seq_major)
     fwd_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, True, None)
     torch.library.opcheck(sdpa, fwd_args)
     out, lse = sdpa(*(t.detach() for t in (q, k, v)), None, True, None)
+    if head_dim_v == q.shape[-1]:
+        assert out.stride() == q.stride()
+        assert out.transpose(1, 2).is_contiguous() == seq_major
     grad = torch.randn_like(out)
     torch.library.opcheck(
         sdpa_backward, (grad, q.detach(), k.detach(), v.detach(), out, lse, None, True, None)

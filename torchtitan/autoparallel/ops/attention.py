@@ -36,11 +36,29 @@ from torch.utils.flop_counter import register_flop_formula
 _aten = torch.ops.aten
 
 
+def _output_strides(q: Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """The output's strides: q's memory layout (as torch's fused CPU kernel writes it) when
+    the shapes agree, else contiguous.  A model's q is usually a transpose of a
+    [batch, seq, heads, head_dim] tensor; so is the output then, and the transpose back that
+    merges the heads copies nothing."""
+    if tuple(shape) == tuple(q.shape):
+        return torch.empty_like(q, device="meta").stride()
+    return torch.empty(shape, device="meta").stride()
+
+
+def _laid_out_like_q(out: Tensor, q: Tensor) -> Tensor:
+    """`out` with exactly `_output_strides` (a copy only where the kernel wrote another)."""
+    strides = _output_strides(q, out.shape)
+    if out.stride() == strides:
+        return out
+    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+
+
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-    return out.contiguous(), q.new_zeros(q.shape[:-1], dtype=torch.float32)  # unset: zeros
+    return _laid_out_like_q(out, q), q.new_zeros(q.shape[:-1], dtype=torch.float32)  # unset
 
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
@@ -48,10 +66,11 @@ def sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     """Attention over [batch, heads, seq, head_dim]; `mask` (or None) is added to the scores
-    (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]).  Returns the output
-    (contiguous) and each query's log-sum-exp of its scores ([batch, heads, q_seq], float32),
-    which the backward reuses where the device's fused kernel gives it (`_fused_on_cpu`);
-    elsewhere it is left unset (zeros) and the backward recomputes what it needs."""
+    (q's dtype, broadcastable to [batch, heads, q_seq, k_seq]).  Returns the output (in q's
+    memory layout, `_output_strides`) and each query's log-sum-exp of its scores ([batch,
+    heads, q_seq], float32), which the backward reuses where the device's fused kernel gives
+    it (`_fused_on_cpu`); elsewhere it is left unset (zeros) and the backward recomputes what
+    it needs."""
     return _attention(q, k, v, mask, is_causal, scale)
 
 
@@ -67,12 +86,13 @@ def _(q, k, v, mask, is_causal, scale):
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
-    return out.contiguous(), lse.float().contiguous()
+    return _laid_out_like_q(out, q), lse.float().contiguous()
 
 
 @sdpa.register_fake
 def _(q, k, v, mask, is_causal, scale):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    out = q.new_empty_strided(shape, _output_strides(q, shape))
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
