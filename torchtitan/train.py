@@ -35,7 +35,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.inductor_comms import apply_inductor_comms_knobs
 from torchtitan.distributed.init_check import every_value_initialised
 from torchtitan.distributed.parallel_dims import mesh_search_requested
-from torchtitan.distributed.pipeline import PipelineStages, split_stages
+from torchtitan.distributed.pipeline import PipelineStages, split_stages, stage_io
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.protocols.model import ModelProtocol
@@ -175,10 +175,13 @@ class Trainer:
         plan, pp_mesh = self.resolved.stage_plan, dims.pp_mesh()
         # resolve() made the stage plan, having checked that the spec names a split
         assert plan is not None and spec.pipeline_split is not None and pp_mesh is not None
+        microbatch = self.resolved.local_batch_size // plan.microbatches
+        tokens = torch.zeros(microbatch, job_config.training.seq_len, dtype=torch.long)
+        io = stage_io(model, spec.pipeline_split, plan, tokens)
         pipeline = split_stages(model, spec.pipeline_split, plan, pp_mesh.get_local_rank(), dims.pp)
         cuda = [self.device.index] if self.device.type == "cuda" else []
         for i, part in enumerate(pipeline.parts):
-            part = spec.parallelize_fn(part, dims, job_config)
+            part = spec.parallelize_fn(part, dims, job_config, stage=io[pipeline.stage_ids[i]])
             pipeline.parts[i] = part
             part.to_empty(device=self.device)
             last = i == len(pipeline.parts) - 1  # every part draws from the same state

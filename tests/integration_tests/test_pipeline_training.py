@@ -1,8 +1,10 @@
-"""Hand-written pipeline parallelism (`--parallelism.pipeline_parallel_degree`) for llama3
-on CPU ranks: every parameter gradient at every step equals one process's under each
-schedule (pipeline_grads.py), every mesh and schedule reproduces the 1-rank reference
-curve (global batch 4, rtol 1e-4), a run stopped at step 5 resumes from its checkpoint
-bitwise, and bad pipeline settings are one line before any rank starts."""
+"""Pipeline parallelism (`--parallelism.pipeline_parallel_degree`) for llama3 on CPU ranks,
+hand-written and with each stage planned (llama3_auto_parallel): every parameter gradient
+at every step equals one process's (pipeline_grads.py under each schedule,
+planned_pipeline_grads.py on pp2 x dp2 and pp2 x tp2), every mesh and schedule reproduces
+the 1-rank reference curve (global batch 4, rtol 1e-4), a run stopped at step 5 resumes
+from its checkpoint bitwise, and bad pipeline settings are one line before any rank
+starts."""
 
 from __future__ import annotations
 
@@ -16,13 +18,20 @@ from harness import REPO, run_training
 from torchtitan.tools.loss_compare import assert_losses_close, preflight, read_golden
 
 GOLDEN = read_golden(REPO / "tests/assets/losses/llama3_cpu_1rank.txt")
-LLAMA = ["--model.name", "llama3"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
-def _pp(pp: int, schedule: str, shard: int = 1, tp: int = 1, local_batch: int = 4) -> list[str]:
+def _pp(
+    pp: int,
+    schedule: str,
+    shard: int = 1,
+    tp: int = 1,
+    local_batch: int = 4,
+    model: str = "llama3",
+) -> list[str]:
     return [
-        *LLAMA,
+        "--model.name",
+        model,
         "--parallelism.pipeline_parallel_degree",
         str(pp),
         "--parallelism.pipeline_parallel_schedule",
@@ -36,6 +45,8 @@ def _pp(pp: int, schedule: str, shard: int = 1, tp: int = 1, local_batch: int = 
     ]
 
 
+AUTO = "llama3_auto_parallel"
+PLANNED_MESHES = ["pp2dp2", "pp2tp2"]
 PP2_DP2 = _pp(2, "1F1B", shard=2, local_batch=2)
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
@@ -80,6 +91,41 @@ def test_pipelined_meshes_and_schedules_match_1rank(nproc, args, stages, train_o
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=" ".join(args[2:]))
 
 
+@pytest.mark.parametrize(
+    "args, stages",
+    [
+        (_pp(2, "1F1B", shard=2, local_batch=2, model=AUTO), "2 stages of 3/3 blocks"),
+        (_pp(2, "Interleaved1F1B", tp=2, model=AUTO), "4 stages of 1/2/2/1 blocks"),
+        (_pp(4, "GPipe", model=AUTO), "4 stages of 1/2/2/1 blocks"),
+    ],
+    ids=["pp2_dp2_1f1b", "pp2_tp2_interleaved", "pp4_gpipe"],
+)
+def test_planned_stages_match_1rank(args, stages, train_on_ranks):
+    """The planner plans each stage on the mesh's other dims (pp4: a mesh of one)."""
+    run = train_on_ranks(4, args)
+    assert stages in run.output
+    assert run.output.count("auto-parallel planning took") >= 1
+    assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="planned " + " ".join(args[2:]))
+
+
+def test_planned_stages_give_every_gradient_at_every_step_of_one_process(tmp_path):
+    script = REPO / "tests/integration_tests/planned_pipeline_grads.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [*cmd, str(script), str(tmp_path), *PLANNED_MESHES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    passed = [line.split(": ")[0] for line in res.stdout.splitlines() if line.startswith("PASS")]
+    expected = [f"PASS {m} rank {r}" for m in PLANNED_MESHES for r in range(4)]
+    assert res.returncode == 0 and sorted(passed) == sorted(expected), (
+        res.stdout[-3000:] + res.stderr[-3000:]
+    )
+
+
 def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
     first = run_training(4, [*PP2_DP2, *CKPT, "--training.stop_at_step", "5"], tmp_path).check()
     assert "stopping after step 5" in first.output
@@ -113,13 +159,13 @@ def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
             "the blocks that start a stage as integers, comma-separated (e.g. 2,4)",
         ),
         (
-            ["--model.name", "llama3_auto_parallel"],
-            "--parallelism.pipeline_parallel_degree 2: llama3_auto_parallel cannot be "
-            "pipelined (its spec names no pipeline split); use llama3, or "
-            "pipeline_parallel_degree 1",
+            ["--model.name", "deepseek_v3"],
+            "--parallelism.pipeline_parallel_degree 2: deepseek_v3 cannot be "
+            "pipelined (its spec names no pipeline split); use llama3 or llama3_auto_parallel, "
+            "or pipeline_parallel_degree 1",
         ),
     ],
-    ids=["schedule", "microbatch", "layers", "split-points", "auto-parallel"],
+    ids=["schedule", "microbatch", "layers", "split-points", "no-split"],
 )
 def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
     given = dict(zip(args[::2], args[1::2]))

@@ -6,6 +6,7 @@ are one collective, the next unit's gather is issued before the current unit com
 reshard-after-forward decides which units are gathered again in the backward.
 """
 
+import copy
 import operator
 import weakref
 
@@ -340,3 +341,42 @@ def test_graphs_to_compile_recompute_pointwise_values_instead_of_saving_them(
     assert _storage_bytes(saved_fused) < 0.7 * _storage_bytes(saved_eager)
     for name, grad in runs[0].items():
         assert torch.equal(runs[1][name], grad), name
+
+
+def test_an_input_that_requires_grad_gets_its_gradient(fake_world):
+    """A pipeline stage's hidden states: the planned module returns their gradient (in the
+    input's placement) with every parameter's, as the model in one process does; on meta
+    inputs (a schedule's shape inference) it runs nothing and gives meta outputs and input
+    gradients of the planned local shapes."""
+    with fake_world(1):
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        with torch.device("meta"):
+            model = MLPStack(n_layers=3)
+        with AutoParallel(
+            model, lambda: torch.randn(8, 16, 32, requires_grad=True), mesh
+        ) as autop:
+            autop.add_input_constraints([(Shard(0),)])
+            autop.add_output_constraints([(Shard(0),)])
+            pm = autop.apply_placement(autop.optimize_placement())
+        pm.to_empty(device="cpu")
+        torch.manual_seed(0)
+        pm.init_weights()
+        reference = copy.deepcopy(model)
+        reference.to_empty(device="cpu")
+        torch.manual_seed(0)
+        reference.init_weights()
+        x = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1))
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        pm(ours).pow(2).mean().backward()
+        reference(theirs).pow(2).mean().backward()
+        assert ours.grad is not None
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
+        for (name, p), (_, q) in zip(pm.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+        on_meta = torch.empty(8, 16, 32, device="meta", requires_grad=True)
+        out = pm(on_meta)
+        assert out.is_meta and out.shape == reference(x).shape
+        out.sum().backward()
+        assert on_meta.grad is not None and on_meta.grad.is_meta
+        assert on_meta.grad.shape == on_meta.shape

@@ -77,11 +77,11 @@ def _is_multirank() -> bool:
     )
 
 
-def on_rank0(fn: Callable[[], str]) -> str:
-    """Run `fn` on rank 0 only and return its text on every rank (as is without a multi-rank
-    process group).  An error there is raised on every rank: a `PlannerError` as the same
-    error with the same message, anything else as a RuntimeError naming it — never a rank
-    left waiting in the broadcast."""
+def on_rank0(fn: Callable[[], str], group=None) -> str:
+    """Run `fn` on rank 0 of `group` (default: every rank) only and return its text on every
+    rank of it (as is without a multi-rank process group).  An error there is raised on
+    every rank: a `PlannerError` as the same error with the same message, anything else as
+    a RuntimeError naming it — never a rank left waiting in the broadcast."""
     if not _is_multirank():
         return fn()
     import torch.distributed as dist
@@ -90,13 +90,13 @@ def on_rank0(fn: Callable[[], str]) -> str:
 
     box: list = [None]
     failure = None
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             box = [("ok", fn())]
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
             failure = e
             box = [("error", type(e).__name__, str(e), isinstance(e, PlannerError))]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     if failure is not None:
         raise failure
     if box[0][0] == "ok":
@@ -369,7 +369,7 @@ class AutoParallel:
                 return self._solve(problem, verbose).to_json()
             return cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
 
-        text = on_rank0(plan_text) if broadcast else plan_text()
+        text = on_rank0(plan_text, self._mesh_group()) if broadcast else plan_text()
         return Plan.from_json(text)
 
     def plan_from_file(
@@ -382,7 +382,10 @@ class AutoParallel:
         with every parameter pinned where the file puts it (plan/plan_file.py).
         `broadcast` and `cache_dir` as for `optimize_placement` (rank 0 reads the file)."""
         self._require_entered()
-        text = on_rank0(lambda: read_plan_text(path)) if broadcast else read_plan_text(path)
+        if broadcast:
+            text = on_rank0(lambda: read_plan_text(path), self._mesh_group())
+        else:
+            text = read_plan_text(path)
         plan = parse_plan_file(text, path)
         check_plan_file(plan, self.problem(), path)
         edited = edited_parameters(plan)
@@ -399,6 +402,17 @@ class AutoParallel:
         for fqn, placement in plan.params.items():
             self.add_parameter_constraint(fqn, parse_placements(placement))
         return self.optimize_placement(broadcast=broadcast, cache_dir=cache_dir)
+
+    def _mesh_group(self):
+        """The process group of the mesh's ranks, which share one plan; None (every rank)
+        when the mesh holds them all, else a part of the world (a pipeline stage's ranks)."""
+        import torch.distributed as dist
+
+        if not _is_multirank() or self.mesh.size() == dist.get_world_size():
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh.get_group()
+        return self.mesh._flatten().get_group()
 
     def _solve(self, problem: PlanningProblem, verbose: bool) -> Plan:
         sol = PlacementSolver(problem).solve(verbose)

@@ -130,7 +130,7 @@ def pipeline_plan(
     if spec.pipeline_split is None:
         raise UserInputError(
             f"{option}: {spec.name} cannot be pipelined (its spec names no pipeline split); "
-            "use llama3, or pipeline_parallel_degree 1"
+            "use llama3 or llama3_auto_parallel, or pipeline_parallel_degree 1"
         )
     with torch.device("meta"):
         blocks = len(getattr(spec.model_cls(model_args), spec.pipeline_split.blocks))

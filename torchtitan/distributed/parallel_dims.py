@@ -89,14 +89,17 @@ EP = "ep"  # the mesh dim of expert parallelism: the inner part of the shard ran
 def mesh_dims(
     dp_replicate: int, dp_shard: int, tp: int, ep: int = 1, pp: int = 1
 ) -> list[tuple[str, int]]:
-    """(name, size) of the mesh dims a job with these degrees has: those of size > 1, or one
-    `dp_shard` dim of size 1 on a single rank (uniform code paths).  With expert
+    """(name, size) of the mesh dims a job with these degrees has: those of size > 1, and a
+    `dp_shard` dim of size 1 when no other is (one rank, or pipeline stages only: the
+    stages' own meshes; uniform code paths).  With expert
     parallelism the shard ranks are two dims, `dp_shard` (dp_shard / ep) and `ep`; pipeline
     stages are the outermost dim, `pp`."""
     sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard // ep, EP: ep, "tp": tp}
     order = ("pp", "dp_replicate", "dp_shard", EP, "tp")
     dims = [(name, sizes[name]) for name in order if sizes[name] > 1]
-    return dims or [("dp_shard", 1)]
+    if all(name == "pp" for name, _ in dims):
+        dims.append(("dp_shard", 1))
+    return dims
 
 
 def is_data_dim(name: str) -> bool:

@@ -175,6 +175,48 @@ def _balanced(n_blocks: int, stages: int) -> list[int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class StageIO:
+    """What one stage takes and gives per microbatch: meta tensors of one rank's shapes
+    before any data-parallel split (a planner plans the stage for them: hidden states in,
+    not token ids)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    first: bool
+    last: bool
+
+
+def stage_io(
+    model: nn.Module, split: PipelineSplit, plan: StagePlan, microbatch: torch.Tensor
+) -> list[StageIO]:
+    """Every stage's inputs and outputs for the `microbatch` of token ids: one forward of the
+    whole meta-device `model`, catching the hidden states where each stage's first block
+    reads them (what the model takes in when its first modules are gone)."""
+    container = getattr(model, split.blocks)
+    keys = list(container.keys())
+    caught: dict[int, torch.Tensor] = {}
+    handles = []
+    for stage, blocks in enumerate(plan.blocks):
+        if stage == 0:
+            continue
+
+        def catch(_module, args, stage=stage):
+            caught[stage] = torch.empty_like(args[0], device="meta")
+
+        handles.append(container[keys[blocks[0]]].register_forward_pre_hook(catch))
+    try:
+        with torch.no_grad():
+            out = model(microbatch.to("meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    ins = [microbatch.to("meta"), *(caught[s] for s in range(1, plan.stages))]
+    outs = [*ins[1:], torch.empty_like(out, device="meta")]
+    last = plan.stages - 1
+    return [StageIO((i,), (o,), s == 0, s == last) for s, (i, o) in enumerate(zip(ins, outs))]
+
+
 @dataclass
 class _Removed:
     """What one stage lacks of the whole model (meta-device modules)."""

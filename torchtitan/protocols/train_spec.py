@@ -48,7 +48,9 @@ class TrainSpec:
     parallelize_fn: Callable[..., Any]
     """(model, parallel_dims, job_config) -> model; runs on the meta-device model.  When
     `choose_mesh_fn` chose the mesh and its answer carries a plan, that answer comes too,
-    as the keyword `mesh_choice=`."""
+    as the keyword `mesh_choice=`; for a spec with a `pipeline_split`, each stage comes
+    with the keyword `stage=` (a `torchtitan.distributed.pipeline.StageIO`: what the stage
+    takes and gives per microbatch)."""
     build_optimizers_fn: Callable[..., Any]
     build_lr_schedulers_fn: Callable[..., Any]
     build_dataloader_fn: Callable[..., Any]

@@ -76,9 +76,11 @@ class LoweredPlan:
         )
         self.partition = part
         self.n_out = part.n_outputs
-        # the backward graph returns one gradient per parameter that gets one, in this order
+        # the backward graph returns one gradient per parameter that gets one, in this order,
+        # then one per input that requires one
         slot_of = {interp.param_of.get(k): i for i, k in enumerate(keys) if k in interp.param_of}
         self.grad_slots = [slot_of[f] for f in part.grad_names]
+        self.grad_slots += [keys.index(tg.inputs[i]) for i in part.input_grads]
         self.n_in = len(keys)
         self.fwd: Callable[[list], Any]
         self.bwd: Callable[[list], Any]
@@ -157,6 +159,24 @@ class InductorOnFirstCall:
         return self.compiled(args)
 
 
+class _OnMeta(torch.autograd.Function):
+    """On meta inputs the plan runs nothing: its outputs (and in the backward, the inputs'
+    gradients) are meta tensors of the local shapes the plan gives them.  This is what a
+    pipeline schedule's shape inference runs a stage on."""
+
+    @staticmethod
+    def forward(ctx, executor: LoweredExecutor, *inputs):
+        ctx.like = [x if isinstance(x, torch.Tensor) else None for x in inputs]
+        interp = executor.interp
+        metas = [interp.local_output_meta(i) for i in range(len(interp.tg.outputs))]
+        return tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in metas)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[1:]
+        return (None, *(torch.zeros_like(x) if n else None for x, n in zip(ctx.like, needs)))
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the backward scales the gradient (1 / ranks splitting the batch, so a
     per-rank mean loss gives the global-mean gradient, as DDP and FSDP do)."""
@@ -200,6 +220,18 @@ class LoweredExecutor:
         flat, _ = pytree.tree_flatten(args)
         if len(flat) != len(tg.inputs):
             raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+            return self._finish(list(_OnMeta.apply(self, *flat)))
+        # the outputs' gradients are scaled by 1 / batch ranks (`_finish`); an input's
+        # gradient leaves unscaled, the gradient of this rank's own loss, as a stage of a
+        # pipeline hands it to the stage before, which scales it again
+        ranks = self.interp.batch_ranks()
+        flat = [
+            _ScaleGrad.apply(x, float(ranks))
+            if ranks != 1 and isinstance(x, torch.Tensor) and x.requires_grad
+            else x
+            for x in flat
+        ]
         env, device = self.interp.placeholders(module, flat)
         return self._finish(self._run_lowered(env, device))
 

@@ -11,14 +11,15 @@ silently, on every later call).
 
 `partition` then cuts the local joint graph into the forward graph, `(params, buffers,
 inputs) -> (outputs, saved)`, and the backward graph, `(saved, tangents) -> parameter
-gradients`.  A value the backward reads is *saved* — unless it is computed from parameters
-and buffers alone (a gathered weight, its cast and transpose) and reshard after forward
-applies to those parameters: then the backward recomputes it from the sharded parameters
-(the re-gather of FSDP's reshard after forward), and the forward frees it after its last
-forward use.  For graphs inductor compiles, a saved value that pointwise ops, views and casts
-make from values the backward has anyway is recomputed there instead (`recompute_fusible`):
-inductor fuses the recompute into the kernels that read it, as AOTAutograd's min-cut
-partitioner does for a hand-written compiled module.
+gradients, then input gradients` (an input gets one when it requires one: a pipeline stage's
+hidden states, in the input's placement). A value the backward reads is *saved* — unless it
+is computed from parameters and buffers alone (a gathered weight, its cast and transpose)
+and reshard after forward applies to those parameters: then the backward recomputes it from
+the sharded parameters (the re-gather of FSDP's reshard after forward), and the forward
+frees it after its last forward use. For graphs inductor compiles, a saved value that
+pointwise ops, views and casts make from values the backward has anyway is recomputed there
+instead (`recompute_fusible`): inductor fuses the recompute into the kernels that read it,
+as AOTAutograd's min-cut partitioner does for a hand-written compiled module.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class LocalJoint:
     kinds: list[str]
     names: list[str | None]  # parameter/buffer FQN, else None
     n_outputs: int  # the first `n_outputs` graph outputs are forward outputs
-    grad_names: list[str]  # FQN of each remaining output (a parameter gradient)
+    grad_names: list[str]  # FQN of each next output (a parameter gradient)
+    input_grads: list[int]  # the input (index among the traced inputs) of each last output
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Partition:
     bwd: fx.GraphModule
     n_outputs: int
     grad_names: list[str]
+    input_grads: list[int]
     fwd_names: list[str | None]
     saved_names: list[str | None] = field(default_factory=list)
 
@@ -89,6 +92,7 @@ def lower_joint(
     tg, mesh = interp.tg, interp.mesh
     param_of, buffer_of = interp.param_of, interp.buffer_of
     grad_fqns = [f for f in tg.params if tg.grads.get(f) is not None]
+    input_grads = [i for i, g in enumerate(tg.input_grads) if g is not None]
     nodes = [n for n in tg.gm.graph.nodes if n.op == "call_function"]
     consts = interp.constant_values(device)
 
@@ -110,6 +114,10 @@ def lower_joint(
         grads = [
             interp.redistribute(env[tg.grads[f]], interp.grad_pls[f]).to_local() for f in grad_fqns
         ]
+        grads += [
+            interp.redistribute(env[tg.input_grads[i]], interp.input_pls[i]).to_local()
+            for i in input_grads
+        ]
         return outs + grads
 
     with torch.no_grad(), fx_traceback.preserve_node_meta():
@@ -126,7 +134,7 @@ def lower_joint(
         for k in keys
     ]
     names = [param_of.get(k, buffer_of.get(k)) for k in keys]
-    return LocalJoint(gm, kinds, names, len(tg.outputs), grad_fqns)
+    return LocalJoint(gm, kinds, names, len(tg.outputs), grad_fqns, input_grads)
 
 
 def _check_constants(gm: fx.GraphModule, allowed: set[int]) -> None:
@@ -217,6 +225,7 @@ def partition(
         bwd,
         joint.n_outputs,
         joint.grad_names,
+        joint.input_grads,
         fwd_names=[name[p] for p in phs if kind[p] != TANGENT],
         saved_names=[name.get(s) for s in saved],
     )

@@ -31,10 +31,17 @@ class GradEdge:
 
 
 @dataclass(frozen=True)
+class InputGradEdge:
+    """The gradient of input `index` into the input's placement."""
+
+    index: int
+
+
+@dataclass(frozen=True)
 class OutputEdge:
     """Forward output `index` into its sink placement."""
 
     index: int
 
 
-EdgeKey = ConsumerEdge | HubEdge | GradEdge | OutputEdge
+EdgeKey = ConsumerEdge | HubEdge | GradEdge | InputGradEdge | OutputEdge

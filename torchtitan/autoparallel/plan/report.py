@@ -8,7 +8,7 @@ from typing import Any
 
 from ..cost.memory import param_chains, plan_memory
 from ..graph import placements as P
-from ..graph.edge_keys import ConsumerEdge, GradEdge, HubEdge
+from ..graph.edge_keys import ConsumerEdge, GradEdge, HubEdge, InputGradEdge
 from ..solve.problem import PlanningProblem
 from ..solve.program import Solution
 from ..strategies.table import StrategyTable, placed
@@ -92,6 +92,8 @@ def _forward_backward_comm(tg: TracedGraph, sol: Solution) -> tuple[float, float
             forward = key.node in tg.forward_nodes
         elif isinstance(key, GradEdge):
             us *= tg.weight(tg.params[key.fqn])
+            forward = False
+        elif isinstance(key, InputGradEdge):
             forward = False
         else:  # an output leaves the forward
             forward = True

@@ -30,7 +30,14 @@ import torch.fx as fx
 from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, param_chains, term_fraction
 from ..errors import ConstraintError
 from ..graph import placements as P
-from ..graph.edge_keys import ConsumerEdge, EdgeKey, GradEdge, HubEdge, OutputEdge
+from ..graph.edge_keys import (
+    ConsumerEdge,
+    EdgeKey,
+    GradEdge,
+    HubEdge,
+    InputGradEdge,
+    OutputEdge,
+)
 from ..ops.collective_ops import COLLECTIVE_OPS
 from ..policies.regather import Regather
 from ..strategies.table import NodeStrategies, Source, placed, resolve_source
@@ -128,7 +135,7 @@ class PlacementProgram:
     def member_weight(self, key: EdgeKey) -> int:
         if isinstance(key, GradEdge):
             return self.weight(self.tg.params[key.fqn])
-        if isinstance(key, OutputEdge):
+        if isinstance(key, (OutputEdge, InputGradEdge)):
             return 1
         return self.weight(key.node)
 
@@ -194,7 +201,7 @@ class PlacementProgram:
             or isinstance(first, GradEdge)
             or (isinstance(first, (ConsumerEdge, HubEdge)) and first.node in self.gside)
         )
-        sink = isinstance(first, (GradEdge, OutputEdge))
+        sink = isinstance(first, (GradEdge, InputGradEdge, OutputEdge))
         # the executor buckets a unit's parameter gathers and its gradient reductions
         bucketed = (src[0] in self.pside and not exposed) or isinstance(first, GradEdge)
         pairs = self.prices.pairs(
@@ -291,6 +298,20 @@ class PlacementProgram:
                 self.grad_vars[fqn] = w
             self._link(src, {pl: [v] for pl, v in w.items()}, [GradEdge(f) for f in fqns])
             tie_columns(self.m, w, self.table.nodes[pnode], self.xvars[pnode])
+
+    def add_input_gradient_sinks(self) -> None:
+        """An input's gradient (a pipeline stage's hidden states) leaves in the input's
+        placement: one sink per such input, linked like an edge and tied to the input's x."""
+        for i, g in enumerate(self.tg.input_grads):
+            if g is None:
+                continue
+            src = resolve_source(g)
+            val = source_value(src)
+            w = {pl: self.m.var(0.0) for pl in P.all_placements(val.shape, self.prices.mesh_shape)}
+            self.m.onehot(list(w.values()))
+            self._link(src, {pl: [v] for pl, v in w.items()}, [InputGradEdge(i)])
+            node = self.tg.inputs[i]
+            tie_columns(self.m, w, self.table.nodes[node], self.xvars[node])
 
     def add_pin(self, c: Pin | OutputPin) -> None:
         """x[n, s] = 1 (lower bound) for the strategy whose output is the pinned placement;

@@ -115,6 +115,7 @@ class PlacementSolver:
         program.add_edges()
         program.add_output_sinks()
         program.add_gradient_sinks()
+        program.add_input_gradient_sinks()
         program.recompute.add_costs()
         program.regather.add_costs()
         for c in constraints:

@@ -52,7 +52,9 @@ class TracedGraph:
 
     `outputs[i]` is the node producing forward output i and `tangents[i]` its tangent
     placeholder (None if the output needs no gradient).  `grads[fqn]` is the node producing
-    the gradient of parameter `fqn` (None if the parameter gets no gradient).
+    the gradient of parameter `fqn` (None if the parameter gets no gradient);
+    `input_grads[i]` the gradient of input i, for an input that requires one (a pipeline
+    stage's hidden states), else None.
     """
 
     gm: fx.GraphModule
@@ -64,6 +66,7 @@ class TracedGraph:
     grads: dict[str, fx.Node | None]
     input_spec: Any  # pytree spec of the user's forward args
     output_spec: Any  # pytree spec of the forward output
+    input_grads: list[fx.Node | None] = field(default_factory=list)
     param_dtype: torch.dtype | None = None
     forward_nodes: set[fx.Node] = field(default_factory=set)
     # repeated blocks (repeat.py): which stacks were found, the block label of each node
@@ -192,6 +195,7 @@ def trace_joint(
         outputs=roles.outputs,
         tangents=roles.tangents,
         grads=roles.grads,
+        input_grads=roles.input_grads,
         input_spec=input_spec,
         output_spec=getattr(joint, "out_spec", None),
         param_dtype=param_dtype,
@@ -236,6 +240,7 @@ class _Roles:
     buffers: dict[str, fx.Node]
     grads: dict[str, fx.Node | None]
     inputs: list[fx.Node]
+    input_grads: list[fx.Node | None]
     outputs: list[fx.Node]
     tangents: list[fx.Node | None]
 
@@ -261,6 +266,7 @@ def _roles(graph: fx.Graph, prefix: str) -> _Roles:
         buffers={strip(k): v for k, v in fx_utils.get_named_buffer_nodes(graph).items()},
         grads=grads,
         inputs=[n for _d, (n, _g) in inputs],
+        input_grads=[g for _d, (_n, g) in inputs],
         outputs=[o for _d, (o, _t) in outs],
         tangents=[t for _d, (_o, t) in outs],
     )

@@ -21,6 +21,5 @@ def get_train_spec():
         name="llama3_auto_parallel",
         parallelize_fn=parallelize_llama_auto,
         check_parallelism_fn=steering_checker(base.model_cls),
-        pipeline_split=None,  # the planner has no pipeline dim yet
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -20,7 +20,7 @@ def get_train_spec():
         name="hf_auto_parallel",
         parallelize_fn=parallelize_hf_auto,
         check_parallelism_fn=steering_checker(build_hf_causal_lm),
-        pipeline_split=None,  # the planner has no pipeline dim yet
+        pipeline_split=None,  # no split is named for transformers models yet
         choose_mesh_fn=choose_mesh_hf_auto,
         model_cls=build_hf_causal_lm,
         flavors=HFConfigFlavors(),

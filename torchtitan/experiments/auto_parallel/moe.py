@@ -22,6 +22,6 @@ def get_train_spec():
         parallelize_fn=parallelize_llama_auto,
         # the planner places any mesh (config/resolve.py checks EP); only pins are checked
         check_parallelism_fn=steering_checker(base.model_cls),
-        pipeline_split=None,  # the planner has no pipeline dim yet
+        pipeline_split=None,  # as deepseek_v3's: the MoE model names no split yet
         choose_mesh_fn=choose_mesh_llama_auto,
     )

@@ -39,6 +39,7 @@ from torchtitan.autoparallel.solve.constraints import MemoryBudget
 from torchtitan.autoparallel.trace.repeat import MIN_BLOCKS
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import EP, ParallelDims
+from torchtitan.distributed.pipeline import StageIO
 from torchtitan.distributed.utils import (
     TORCH_DTYPES,
     device_type,
@@ -88,9 +89,11 @@ def parallelize_llama_auto(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     mesh_choice: MeshChoice | None = None,
+    stage: StageIO | None = None,
 ) -> nn.Module:
-    vocab_size = cast(nn.Embedding, model.tok_embeddings).num_embeddings
-    return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice)
+    embeddings = cast(nn.Embedding | None, model.tok_embeddings)  # None: a later stage
+    vocab_size = embeddings.num_embeddings if embeddings is not None else 0
+    return parallelize_auto(model, parallel_dims, job_config, vocab_size, mesh_choice, stage)
 
 
 def parallelize_hf_auto(
@@ -110,12 +113,15 @@ def parallelize_auto(
     job_config: JobConfig,
     vocab_size: int,
     mesh_choice: MeshChoice | None = None,
+    stage: StageIO | None = None,
 ) -> nn.Module:
     """Plan and apply `model` (token ids of `vocab_size` in, logits out) on the job's mesh;
-    with the mesh search's `mesh_choice`, apply the plan it made for this mesh."""
+    with the mesh search's `mesh_choice`, apply the plan it made for this mesh.  A pipeline
+    `stage` is planned on the mesh's other dims for what it takes and gives (hidden states
+    after the first stage, before the last), a microbatch at a time."""
     searched = mesh_choice.plan if mesh_choice is not None else None
     try:
-        parallel_model = _parallelize(model, parallel_dims, job_config, vocab_size, searched)
+        parallel_model = _parallelize(model, parallel_dims, job_config, vocab_size, searched, stage)
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise planner_error(e, job_config) from None
     give_back_freed_heap()  # the planner's working set is garbage now (tools/heap.py)
@@ -139,13 +145,23 @@ def planner_error(e: PlannerError, job_config: JobConfig) -> UserInputError:
 
 
 def planner_for_job(
-    model: nn.Module, mesh, job_config: JobConfig, vocab_size: int, global_batch: int
+    model: nn.Module,
+    mesh,
+    job_config: JobConfig,
+    vocab_size: int,
+    global_batch: int,
+    stage: StageIO | None = None,
 ) -> AutoParallel:
-    """The planner for this job's model and precision on `mesh` (not yet entered)."""
+    """The planner for this job's model and precision on `mesh` (not yet entered); for a
+    pipeline `stage` after the first, its input is the hidden states it receives."""
     training = job_config.training
     settings = planner_settings(job_config)
 
     def input_fn():
+        if stage is not None and not stage.first:
+            (hidden,) = stage.inputs
+            shape = (global_batch, *hidden.shape[1:])
+            return torch.randn(shape, dtype=hidden.dtype, requires_grad=True)
         return torch.randint(0, vocab_size, (global_batch, training.seq_len), dtype=torch.long)
 
     mp_policy = MixedPrecisionPolicy(
@@ -252,11 +268,22 @@ def _parallelize(
     job_config: JobConfig,
     vocab_size: int,
     searched: SearchedPlan | None,
+    stage: StageIO | None,
 ) -> nn.Module:
     mesh = parallel_dims.world_mesh
     names = tuple(mesh.mesh_dim_names or ())
     loss_parallel = parallel_dims.loss_parallel_enabled
     global_batch = job_config.training.local_batch_size * parallel_dims.dp_degree
+    if stage is not None:  # planned on its stage's ranks, a microbatch at a time
+        names = tuple(n for n in names if n != "pp")
+        mesh = mesh[names]
+        global_batch = stage.inputs[0].shape[0] * parallel_dims.dp_degree
+        if loss_parallel and stage.last:
+            logger.info(
+                "auto-parallel: a pipeline's last stage hands the schedule whole logits; "
+                "the loss is not vocabulary-parallel"
+            )
+        loss_parallel = False
     start = time.perf_counter()
     if searched is not None:
         if searched.planner.model is not model:
@@ -273,7 +300,7 @@ def _parallelize(
             f"{autop.cost_model.node_layout(mesh.shape, names)}\n{plan_summary(plan)}"
         )
     else:
-        with planner_for_job(model, mesh, job_config, vocab_size, global_batch) as autop:
+        with planner_for_job(model, mesh, job_config, vocab_size, global_batch, stage) as autop:
             add_job_constraints(autop, names, loss_parallel, job_config)
             cache_dir = plan_cache_folder(job_config)
             if path := job_plan_file(job_config):

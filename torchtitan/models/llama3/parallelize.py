@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline import StageIO
 from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
@@ -55,8 +56,14 @@ def check_llama_parallelism(
 
 
 def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    stage: StageIO | None = None,
 ) -> nn.Module:
+    """FSDP / HSDP / DDP, TP, activation checkpointing and compile as the job asks; a
+    pipeline `stage` is parallelised like a whole model (its inputs do not matter here)."""
+    del stage
     training = job_config.training
     if job_config.parallelism.fsdp_reshard_after_forward == "auto":
         raise UserInputError(
