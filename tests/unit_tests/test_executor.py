@@ -352,9 +352,7 @@ def test_an_input_that_requires_grad_gets_its_gradient(fake_world):
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         with torch.device("meta"):
             model = MLPStack(n_layers=3)
-        with AutoParallel(
-            model, lambda: torch.randn(8, 16, 32, requires_grad=True), mesh
-        ) as autop:
+        with AutoParallel(model, lambda: torch.randn(8, 16, 32, requires_grad=True), mesh) as autop:
             autop.add_input_constraints([(Shard(0),)])
             autop.add_output_constraints([(Shard(0),)])
             pm = autop.apply_placement(autop.optimize_placement())
