@@ -32,6 +32,7 @@ from torchtitan.distributed.pipeline import (
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
 from torchtitan.models.llama3 import Transformer, llama3_configs
+from torchtitan.train import _use_rank_inductor_cache
 
 ARGS = llama3_configs["debugmodel"]
 SPLIT = PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output"))
@@ -117,6 +118,7 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
 
 def main() -> int:
     dist.init_process_group("gloo")
+    _use_rank_inductor_cache(dist.get_rank())  # compiled graphs name this rank's groups
     dump_folder, *names = sys.argv[1:]
     compiled = "compiled" in names
     for name in names:
