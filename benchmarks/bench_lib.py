@@ -99,7 +99,13 @@ def measure(
                 counted = read_scalars(tb, "comm/collectives")
                 if counted:
                     result.collectives = next(iter(counted.values()))
-                for kind in ("all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor"):
+                for kind in (
+                    "all_to_all",
+                    "all_gather_into_tensor",
+                    "reduce_scatter_tensor",
+                    "send",
+                    "recv",
+                ):
                     calls = read_scalars(tb, f"comm/{kind}")
                     elements = read_scalars(tb, f"comm_elements/{kind}")
                     result.comm_calls[kind] = next(iter(calls.values()), 0.0)

@@ -201,11 +201,7 @@ class Trainer:
             return self.loss_fn(pred, labels) / grad_accumulation
 
         pipeline.start(self.device, pp_mesh.get_group(), microbatch_loss)
-        logger.info(
-            f"pipeline: {plan.schedule}, {plan.stages} stages of "
-            f"{'/'.join(str(len(b)) for b in plan.blocks)} blocks, {plan.microbatches} "
-            f"microbatches; this rank holds stages {pipeline.stage_ids}"
-        )
+        logger.info(f"pipeline: {plan.describe()}; this rank holds stages {pipeline.stage_ids}")
         self.pipeline = pipeline
         return pipeline.parts
 

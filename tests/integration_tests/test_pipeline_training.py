@@ -104,6 +104,7 @@ def test_planned_stages_match_1rank(args, stages, train_on_ranks):
     """The planner plans each stage on the mesh's other dims (pp4: a mesh of one)."""
     run = train_on_ranks(4, args)
     assert stages in run.output
+    assert "cut by predicted time per microbatch" in run.output
     assert run.output.count("auto-parallel planning took") >= 1
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="planned " + " ".join(args[2:]))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.distributed.pipeline import PipelineSplit, plan_stages, split_stages
+from torchtitan.distributed.pipeline import PipelineSplit, StageCosts, plan_stages, split_stages
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.models.llama3 import Transformer, llama3_configs
@@ -122,3 +122,51 @@ def test_stages_hold_one_process_values_and_chain_to_its_logits(schedule):
     for stage_id in sorted(parts):
         h = parts[stage_id](h)
     torch.testing.assert_close(h, whole(tokens), rtol=0, atol=0)
+
+
+def _stage_times(plan, costs: StageCosts) -> list[float]:
+    return [
+        len(b) * costs.block
+        + (costs.first if s == 0 else 0)
+        + (costs.last if s == len(plan.blocks) - 1 else 0)
+        for s, b in enumerate(plan.blocks)
+    ]
+
+
+@pytest.mark.parametrize(
+    "n, pp, costs, sizes",
+    [
+        (6, 4, StageCosts(0.0, 1.0, 0.0), [1, 2, 2, 1]),  # nothing around the blocks: even
+        (32, 8, StageCosts(0.16, 1.0, 1.76), [4, 4, 4, 4, 5, 4, 4, 3]),  # a big output layer
+        (8, 4, StageCosts(2.0, 1.0, 0.0), [1, 2, 3, 2]),  # a costly first stage
+    ],
+)
+def test_stages_are_cut_where_predicted_times_even_out(n, pp, costs, sizes):
+    plan = plan_stages(n, pp, "GPipe", None, 4, 1, "m", costs=costs)
+    assert [len(b) for b in plan.blocks] == sizes
+    assert [i for b in plan.blocks for i in b] == list(range(n))
+    even = plan_stages(n, pp, "GPipe", None, 4, 1, "m")
+    assert max(_stage_times(plan, costs)) <= max(_stage_times(even, costs))
+    assert "cut by predicted time per microbatch" in plan.describe()
+
+
+def test_llama3_auto_parallel_gives_the_8B_output_layer_its_weight():
+    """The planner predicts Llama 3 8B's output projection (vocabulary 128k) at about two
+    blocks: on 8 stages the last holds fewer blocks than the others, and the slowest stage
+    is predicted faster than with the blocks split evenly."""
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.config.resolve import pipeline_plan
+    from torchtitan.experiments.auto_parallel import get_train_spec
+
+    spec = get_train_spec()
+    job = JobConfig()
+    job.model.name, job.model.flavor = spec.name, "8B"
+    job.training.seq_len, job.training.local_batch_size = 2048, 8
+    job.parallelism.pipeline_parallel_schedule = "1F1B"
+    plan = pipeline_plan(spec, spec.flavors["8B"], job, 8)
+    costs = plan.costs
+    assert costs is not None and costs.first < 0.5 * costs.block < costs.block < costs.last
+    sizes = [len(b) for b in plan.blocks]
+    assert sum(sizes) == 32 and sizes[-1] < 4 and sizes != [4] * 8
+    even = plan_stages(32, 8, "1F1B", None, 8, 1, "llama3 8B")
+    assert max(_stage_times(plan, costs)) < max(_stage_times(even, costs))

@@ -133,7 +133,13 @@ def pipeline_plan(
             "use llama3 or llama3_auto_parallel, or pipeline_parallel_degree 1"
         )
     with torch.device("meta"):
-        blocks = len(getattr(spec.model_cls(model_args), spec.pipeline_split.blocks))
+        model = spec.model_cls(model_args)
+    blocks = len(getattr(model, spec.pipeline_split.blocks))
+    split_points = _split_points(p.pipeline_parallel_split_points)
+    costs = None
+    if spec.stage_costs_fn is not None and not split_points:
+        if p.pipeline_parallel_layers_per_stage is None:
+            costs = spec.stage_costs_fn(model, job_config)
     return plan_stages(
         blocks,
         pp,
@@ -142,7 +148,8 @@ def pipeline_plan(
         job_config.training.local_batch_size,
         p.pipeline_parallel_microbatch_size,
         f"{job_config.model.name} {job_config.model.flavor}",
-        _split_points(p.pipeline_parallel_split_points),
+        split_points,
+        costs,
     )
 
 

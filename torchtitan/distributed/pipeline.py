@@ -58,12 +58,38 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class StageCosts:
+    """Predicted time of a model's parts (µs): the modules before the blocks, one block,
+    the modules after them."""
+
+    first: float
+    block: float
+    last: float
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """The blocks of every stage, and which stages each pipeline rank holds."""
 
     schedule: str
     blocks: list[list[int]]  # stage -> positions of its blocks in the container
     microbatches: int
+    costs: StageCosts | None = None  # what the split balanced, when it was by cost
+
+    def describe(self) -> str:
+        """`1F1B, 2 stages of 3/3 blocks, 4 microbatches`, and what the split balanced."""
+        text = (
+            f"{self.schedule}, {self.stages} stages of "
+            f"{'/'.join(str(len(b)) for b in self.blocks)} blocks, {self.microbatches} "
+            "microbatches"
+        )
+        if self.costs is not None:
+            c = self.costs
+            text += (
+                f" (cut by predicted time per microbatch: first modules {c.first / 1e3:.2f} "
+                f"ms, a block {c.block / 1e3:.2f} ms, last modules {c.last / 1e3:.2f} ms)"
+            )
+        return text
 
     @property
     def stages(self) -> int:
@@ -102,11 +128,13 @@ def plan_stages(
     microbatch_size: int,
     model: str,
     split_points: Sequence[int] = (),
+    costs: StageCosts | None = None,
 ) -> StagePlan:
     """The stages of a model of `n_blocks` blocks on `pp` pipeline ranks, or one
     `UserInputError` naming the option to change.  The blocks of each stage: from
     `split_points` (the first block of every stage but the first), else
-    `layers_per_stage` each, else as even as they go (`_balanced`)."""
+    `layers_per_stage` each, else with `costs` so that the slowest stage is as fast as it
+    can be (`_balanced_by_cost`), else as even as they go (`_balanced`)."""
     cls = schedule_class(schedule)
     name = cls.__name__.removeprefix("Schedule")
     multi = issubclass(cls, PipelineScheduleMulti)
@@ -133,7 +161,11 @@ def plan_stages(
                 f"--parallelism.pipeline_parallel_degree {pp}: {name} runs {stages} stages on "
                 f"{pp} ranks, and {model} has {n_blocks} blocks; use a smaller degree"
             )
-        sizes, option = _balanced(n_blocks, stages), ""
+        if costs is not None:
+            sizes = _balanced_by_cost(n_blocks, stages, costs)
+        else:
+            sizes = _balanced(n_blocks, stages)
+        option = ""
     stages = len(sizes)
     if stages % pp or (not multi and stages != pp):
         want = f"{pp}" if not multi else f"a multiple of {pp}"
@@ -162,6 +194,7 @@ def plan_stages(
         schedule=schedule,
         blocks=[list(range(start, start + n)) for start, n in zip(starts, sizes)],
         microbatches=microbatches,
+        costs=costs,
     )
 
 
@@ -172,6 +205,32 @@ def _balanced(n_blocks: int, stages: int) -> list[int]:
     by_depth = sorted(range(stages), key=lambda s: -min(s, stages - 1 - s))
     for s in by_depth[: n_blocks % stages]:
         sizes[s] += 1
+    return sizes
+
+
+def _balanced_by_cost(n_blocks: int, stages: int, costs: StageCosts) -> list[int]:
+    """Blocks per stage (at least one each) making the slowest stage as fast as it can be,
+    the first stage also running `costs.first`, the last `costs.last`: the smallest time T
+    whose block capacities hold every block, then blocks taken back from the slowest
+    stages (the outer ones first on a tie, as `_balanced` does) until they add up."""
+    extra = [0.0] * stages
+    extra[0] += costs.first
+    extra[-1] += costs.last
+    block = max(costs.block, 1e-12)
+
+    def capacity(t: float) -> list[int]:
+        return [max(0, int((t - e) / block + 1e-9)) for e in extra]
+
+    candidates = sorted({e + k * block for e in extra for k in range(1, n_blocks + 1)})
+    limit = next(t for t in candidates if min(capacity(t)) >= 1 and sum(capacity(t)) >= n_blocks)
+    sizes = capacity(limit)
+    middle = (stages - 1) / 2
+    while sum(sizes) > n_blocks:
+        slowest = max(
+            (s for s in range(stages) if sizes[s] > 1),
+            key=lambda s: (extra[s] + sizes[s] * block, abs(s - middle)),
+        )
+        sizes[slowest] -= 1
     return sizes
 
 
