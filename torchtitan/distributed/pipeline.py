@@ -236,9 +236,9 @@ def _balanced_by_cost(n_blocks: int, stages: int, costs: StageCosts) -> list[int
 
 @dataclass(frozen=True)
 class StageIO:
-    """What one stage takes and gives per microbatch: meta tensors of one rank's shapes
-    before any data-parallel split (a planner plans the stage for them: hidden states in,
-    not token ids)."""
+    """What one stage takes and gives per microbatch: meta tensors of the shapes one rank
+    sees (its share of the batch; a planner plans the stage for them, over every rank that
+    shares its stage: hidden states in, not token ids)."""
 
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
