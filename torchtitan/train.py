@@ -177,7 +177,7 @@ class Trainer:
         assert plan is not None and spec.pipeline_split is not None and pp_mesh is not None
         microbatch = self.resolved.local_batch_size // plan.microbatches
         tokens = torch.zeros(microbatch, job_config.training.seq_len, dtype=torch.long)
-        io = stage_io(model, spec.pipeline_split, plan, tokens)
+        io = stage_io(model, spec.pipeline_split, plan, tokens, dims.pp)
         pipeline = split_stages(model, spec.pipeline_split, plan, pp_mesh.get_local_rank(), dims.pp)
         cuda = [self.device.index] if self.device.type == "cuda" else []
         for i, part in enumerate(pipeline.parts):

@@ -71,7 +71,7 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
     reference.to_empty(device="cpu")
     initialised(reference)
     plan = plan_stages(ARGS.n_layers, 2, SCHEDULE, None, BATCH // dp, 1, "llama3 debugmodel")
-    io = stage_io(model, SPLIT, plan, torch.zeros(1, SEQ, dtype=torch.long))
+    io = stage_io(model, SPLIT, plan, torch.zeros(1, SEQ, dtype=torch.long), 2)
     stages = split_stages(model, SPLIT, plan, pp_mesh.get_local_rank(), 2)
     for i, stage_id in enumerate(stages.stage_ids):
         part = parallelize_llama_auto(stages.parts[i], dims, job, stage=io[stage_id])

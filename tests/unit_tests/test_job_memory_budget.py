@@ -49,14 +49,14 @@ def _job(*argv: str):
     )
 
 
-def _plan(*argv: str):
+def _plan(*argv: str, memory_share: int = 1):
     job = _job(*argv)
     args = dataclasses.replace(llama3_configs["debugmodel"], n_layers=2, vocab_size=2048)
     with torch.device("meta"):
         model = Transformer(args)
     mesh = planning_mesh("cpu", (4,), NAMES)
     with planner_for_job(model, mesh, job, args.vocab_size, global_batch=8) as autop:
-        add_job_constraints(autop, NAMES, False, job)
+        add_job_constraints(autop, NAMES, False, job, memory_share)
         return autop.optimize_placement()
 
 
@@ -86,6 +86,19 @@ def test_a_budget_replication_does_not_fit_makes_the_plan_shard():
     assert tight.predicted["peak_bytes_per_rank"] <= budget * (1 + 1e-6)
     assert tight.predicted["param_fraction"] < 1.0
     assert any(pl.startswith("S(") for pl in tight.params.values())
+
+
+@pytest.mark.usefixtures("module_fake_world")
+def test_two_pipeline_stages_on_a_rank_share_its_budget():
+    """A budget replication fits in, shared by the two stages a rank of an interleaved
+    schedule holds, makes each stage's plan shard."""
+    free = _plan()
+    budget = 1.5 * free.predicted["peak_bytes_per_rank"]
+    alone = _plan("--autoparallel.memory_budget_gib", str(budget / 2**30))
+    assert set(alone.params.values()) == {"R"}
+    shared = _plan("--autoparallel.memory_budget_gib", str(budget / 2**30), memory_share=2)
+    assert shared.predicted["peak_bytes_per_rank"] <= budget / 2 * (1 + 1e-6)
+    assert any(pl.startswith("S(") for pl in shared.params.values())
 
 
 @pytest.mark.usefixtures("module_fake_world")

@@ -244,10 +244,11 @@ class StageIO:
     outputs: tuple[torch.Tensor, ...]
     first: bool
     last: bool
+    stages_per_rank: int = 1  # a rank's memory is shared by the stages it holds
 
 
 def stage_io(
-    model: nn.Module, split: PipelineSplit, plan: StagePlan, microbatch: torch.Tensor
+    model: nn.Module, split: PipelineSplit, plan: StagePlan, microbatch: torch.Tensor, pp: int
 ) -> list[StageIO]:
     """Every stage's inputs and outputs for the `microbatch` of token ids: one forward of the
     whole meta-device `model`, catching the hidden states where each stage's first block
@@ -273,7 +274,10 @@ def stage_io(
     ins = [microbatch.to("meta"), *(caught[s] for s in range(1, plan.stages))]
     outs = [*ins[1:], torch.empty_like(out, device="meta")]
     last = plan.stages - 1
-    return [StageIO((i,), (o,), s == 0, s == last) for s, (i, o) in enumerate(zip(ins, outs))]
+    per_rank = plan.stages // pp
+    return [
+        StageIO((i,), (o,), s == 0, s == last, per_rank) for s, (i, o) in enumerate(zip(ins, outs))
+    ]
 
 
 @dataclass
