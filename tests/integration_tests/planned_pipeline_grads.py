@@ -18,36 +18,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from pipeline_grads import ARGS, BATCH, SEQ, SPLIT, STEPS, cross_entropy, initialised
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline import (
-    PipelineSplit,
-    plan_stages,
-    split_stages,
-    stage_io,
-)
-from torchtitan.exact_init import exact_sharded_init
+from torchtitan.distributed.pipeline import plan_stages, split_stages, stage_io
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
-from torchtitan.models.llama3 import Transformer, llama3_configs
+from torchtitan.models.llama3 import Transformer
 from torchtitan.train import _use_rank_inductor_cache
 
-ARGS = llama3_configs["debugmodel"]
-SPLIT = PipelineSplit(first=("tok_embeddings",), blocks="layers", last=("norm", "output"))
 MESHES = {"pp2dp2": dict(dp_shard=2, tp=1), "pp2tp2": dict(dp_shard=1, tp=2)}
-STEPS, BATCH, SEQ, SCHEDULE = 3, 4, 16, "1F1B"
-
-
-def cross_entropy(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
-
-
-def initialised(model: torch.nn.Module) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad(), exact_sharded_init(model):
-        model.init_weights()
+SCHEDULE = "1F1B"  # the model, batch, steps, loss and init: the hand-written check's
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
