@@ -84,16 +84,23 @@ def test_mesh_search_requested_and_open_degrees():
     for _, option in DEGREES:
         assert mesh_search_requested(Parallelism(**{option: "auto"})), option
     assert open_degrees(Parallelism(tensor_parallel_degree="auto")) == {
+        "pp": 1,
         "dp_replicate": 1,
         "dp_shard": None,  # -1 next to an auto: left to the search
         "tp": None,
     }
     assert open_degrees(
         Parallelism(tensor_parallel_degree="auto", data_parallel_shard_degree=2)
-    ) == {"dp_replicate": 1, "dp_shard": 2, "tp": None}
+    ) == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": None}
     assert open_degrees(
         Parallelism(data_parallel_replicate_degree="auto", data_parallel_shard_degree="auto")
-    ) == {"dp_replicate": None, "dp_shard": None, "tp": 1}
+    ) == {"pp": 1, "dp_replicate": None, "dp_shard": None, "tp": 1}
+    assert open_degrees(Parallelism(pipeline_parallel_degree="auto")) == {
+        "pp": None,
+        "dp_replicate": 1,
+        "dp_shard": None,
+        "tp": 1,
+    }
 
 
 def test_mesh_dims_keep_dims_above_one_outermost_first():
@@ -179,12 +186,14 @@ class StubSpec:
 
     name = "stub"
     check_parallelism_fn = None
+    pipeline_split = None  # the search is given no pipeline options
 
     def __init__(self, degrees=None):
         self.degrees = degrees or {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
         self.calls = []
 
-    def choose_mesh_fn(self, model, model_args, job_config, world_size, global_batch):
+    def choose_mesh_fn(self, model, model_args, job_config, world_size, global_batch, pipeline):
+        assert pipeline is None
         self.calls.append((model, model_args, job_config, world_size, global_batch))
         return dict(self.degrees)
 
@@ -329,7 +338,7 @@ def test_hf_config_states_its_tensor_parallel_sizes():
     assert [d["tp"] for d in keep] == [16, 8, 4, 2, 1]
     assert skipped == [
         (
-            {"dp_replicate": 1, "dp_shard": 1, "tp": 32},
+            {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 32},
             "tp 32 does not divide num_attention_heads 16, num_key_value_heads 16, vocab_size 2000",
         )
     ]

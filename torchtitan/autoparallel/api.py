@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from .cost.model import CostModel, resolve_cost_model
-from .errors import ConstraintError, PlannerError
+from .errors import ConstraintError, InfeasiblePlanError, PlannerError
 from .execute.apply import build_parallel_module, lowered_executor
 from .graph.placements import parse as parse_placements
 from .plan.cache import cached_or_solved
@@ -64,6 +64,9 @@ from .trace.joint import check_on_meta, trace_joint
 from .trace.planning import PlanningTrace
 
 log = logging.getLogger(__name__)
+
+# solves at most, lowering the budget each time, to fit a plan with microbatches in flight
+IN_FLIGHT_SOLVES = 4
 
 
 def _is_multirank() -> bool:
@@ -287,11 +290,13 @@ class AutoParallel:
         self._require_entered()
         self._replace(ParameterBudget, parameter_budget(low, high, self.mesh.size()))
 
-    def add_memory_constraint(self, bytes_per_rank: int | float) -> None:
+    def add_memory_constraint(self, bytes_per_rank: int | float, in_flight: float = 1.0) -> None:
         """Bound predicted bytes per rank: parameters + gradients + AdamW state (2 fp32 per
-        element) + saved activations (forward tensors the backward reads), see cost/memory.py."""
+        element) + saved activations (forward tensors the backward reads), see cost/memory.py.
+        A pipeline stage holds `in_flight` microbatches' saved activations at once: the
+        plan must fit with that many (`_solve`)."""
         self._require_entered()
-        self._replace(MemoryBudget, memory_budget(bytes_per_rank))
+        self._replace(MemoryBudget, memory_budget(bytes_per_rank, in_flight))
 
     def add_expert_parallel_constraint(self, mesh_dim: int | str) -> None:
         """Split the routed experts (`titan.routed_experts`) over `mesh_dim` (an index or a
@@ -415,6 +420,35 @@ class AutoParallel:
         return self.mesh._flatten().get_group()
 
     def _solve(self, problem: PlanningProblem, verbose: bool) -> Plan:
+        """The solver's plan; under a budget with several microbatches in flight, solved
+        again with the budget lowered by the extra microbatches' saved activations until
+        the plan fits with them (the memory model counts one microbatch's)."""
+        budget = next((c for c in problem.constraints if isinstance(c, MemoryBudget)), None)
+        plan = self._solve_once(problem, verbose)
+        if budget is None or budget.in_flight <= 1:
+            return plan
+        for _ in range(IN_FLIGHT_SOLVES):
+            extra = (budget.in_flight - 1) * plan.predicted["saved_at_boundary_bytes_per_rank"]
+            plan.predicted["in_flight_peak_bytes_per_rank"] = (
+                plan.predicted["peak_bytes_per_rank"] + extra
+            )
+            if plan.predicted["in_flight_peak_bytes_per_rank"] <= budget.bytes_per_rank:
+                return plan
+            if extra >= budget.bytes_per_rank:
+                break
+            lower = dataclasses.replace(budget, bytes_per_rank=budget.bytes_per_rank - extra)
+            others = tuple(c for c in problem.constraints if c is not budget)
+            plan = self._solve_once(
+                dataclasses.replace(problem, constraints=(*others, lower)), verbose
+            )
+        raise InfeasiblePlanError(
+            f"constraints cannot all hold: {budget.name}: the plan needs "
+            f"{plan.predicted['peak_bytes_per_rank'] / 2**30:.4g} GiB per rank for one "
+            f"microbatch and {plan.predicted['saved_at_boundary_bytes_per_rank'] / 2**30:.4g} "
+            "GiB more for each other one in flight"
+        )
+
+    def _solve_once(self, problem: PlanningProblem, verbose: bool) -> Plan:
         sol = PlacementSolver(problem).solve(verbose)
         self.timings["build"], self.timings["solve"] = sol.build_s, sol.solve_s
         plan = solution_to_plan(problem, sol, self.timings)

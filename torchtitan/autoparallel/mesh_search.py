@@ -60,6 +60,7 @@ class CandidateResult:
     objective: float | None = None  # the solver's: step + tie-breaks (solver.TIE_BREAK_US)
     note: str = ""  # why there is no plan ("" when there is one)
     plan_s: float = 0.0
+    detail: str = ""  # what else the candidate chose (a pipeline's schedule and stages)
 
     @property
     def fits(self) -> bool:
@@ -137,6 +138,7 @@ class MeshSearch:
             "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)).rstrip() + "  " + row[-1]
             for row in rows
         ]
+        lines += [f"   {r.mesh.label()}: {r.detail}" for r in self.results if r.detail]
         lines += [f"   {label}: not planned, {why}" for label, why in self.skipped]
         return "\n".join(lines)
 
@@ -187,6 +189,7 @@ class MeshSearch:
                 objective=r["objective"],
                 note=r["note"],
                 plan_s=r["plan_s"],
+                detail=r.get("detail", ""),
             )
             for r in data["results"]
         ]
@@ -242,7 +245,20 @@ def search_meshes(
     """
     if not candidates:
         raise PlannerError("mesh search: no candidate mesh")
-    results, plans = [], []
+    planned = plan_candidates(autop, candidates, constrain, cache_dir, device_type)
+    return choose(planned, tie_break, skipped)
+
+
+def plan_candidates(
+    autop: Any,
+    candidates: Sequence[MeshCandidate],
+    constrain: Callable[[Any, MeshCandidate], None],
+    cache_dir: str | Path | None = None,
+    device_type: str = "cpu",
+) -> list[tuple[CandidateResult, Plan | None]]:
+    """Each candidate's result and plan (None where it has none: the result says why),
+    planned from `autop`'s trace under `constrain`'s constraints."""
+    out = []
     for cand in candidates:
         t0 = time.perf_counter()
         sub = autop.on_mesh(planning_mesh(device_type, cand.shape, cand.names))
@@ -263,8 +279,18 @@ def search_meshes(
             f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note,
             result.plan_s,
         )
-        results.append(result)
-        plans.append(plan)
+        out.append((result, plan))
+    return out
+
+
+def choose(
+    planned: Sequence[tuple[CandidateResult, Plan | None]],
+    tie_break: Callable[[MeshCandidate], Any] | None = None,
+    skipped: Sequence[tuple[str, str]] = (),
+) -> MeshSearch:
+    """The fastest of the planned candidates that fit (the caller's `tie_break` key among
+    those within `TIE_REL`), or a `PlannerError` listing why none has a plan."""
+    results = [r for r, _ in planned]
     fitting = [i for i, r in enumerate(results) if r.fits]
     if not fitting:
         notes = "; ".join(f"{r.mesh.label()}: {r.note}" for r in results)
@@ -272,5 +298,5 @@ def search_meshes(
     fastest = min(results[i].step_us for i in fitting)
     tied = [i for i in fitting if results[i].step_us <= fastest * (1 + TIE_REL)]
     chosen = min(tied, key=lambda i: tie_break(results[i].mesh)) if tie_break else tied[0]
-    world = math.prod(candidates[0].shape)
-    return MeshSearch(world, results, chosen, list(skipped), plans[chosen])
+    world = math.prod(results[0].mesh.shape)
+    return MeshSearch(world, results, chosen, list(skipped), planned[chosen][1])

@@ -173,10 +173,13 @@ class Parallelism:
     disable_loss_parallel: bool = False
     """With TP, compute the loss on the full (gathered) logits instead of sharded logits."""
 
-    pipeline_parallel_degree: int = 1
+    pipeline_parallel_degree: int | Literal["auto"] = 1
     """Pipeline-parallel degree: the model's blocks split into consecutive stages over this
     many ranks (the outermost mesh dim), microbatches flowing through them by the schedule
-    below; 1 disables it.  Hand-written specs that know their model's split only (llama3)."""
+    below; 1 disables it.  Specs that know their model's split only (llama3,
+    llama3_auto_parallel).  auto: the mesh search also tries every pipeline degree the
+    world, the blocks and the batch allow, pricing the schedule's bubble and sends
+    (planner specs only)."""
 
     pipeline_parallel_schedule: str = "1F1B"
     """The pipelining schedule, by torch.distributed.pipelining's name: one stage per rank

@@ -29,7 +29,7 @@ from torchtitan.distributed.parallel_dims import (
     ParallelismConfigError,
     check_search_degrees,
 )
-from torchtitan.distributed.pipeline import StagePlan, plan_stages
+from torchtitan.distributed.pipeline import PipelineOptions, StagePlan, plan_stages
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.train_spec import MeshChoice, TrainSpec
@@ -231,7 +231,14 @@ def search_mesh(
     choose_mesh = spec.choose_mesh_fn
     assert choose_mesh is not None  # check_mesh_search_possible refuses a spec without one
     global_batch = search_global_batch(job_config.training, world_size)
-    answer = choose_mesh(model, model_args, job_config, world_size, global_batch)
+    answer = choose_mesh(
+        model,
+        model_args,
+        job_config,
+        world_size,
+        global_batch,
+        _pipeline_options(spec, model_args, job_config),
+    )
     choice = answer if isinstance(answer, MeshChoice) else MeshChoice(dict(answer))
     degrees = choice.degrees
     local = global_batch // (degrees["dp_replicate"] * degrees["dp_shard"])
@@ -241,6 +248,22 @@ def search_mesh(
         + f"; global batch {global_batch}, local batch {local}"
     )
     return choice
+
+
+def _pipeline_options(
+    spec: TrainSpec, model_args: BaseModelArgs, job_config: JobConfig
+) -> PipelineOptions | None:
+    """The stages each pipeline degree would run (`pipeline_plan`), for the mesh search."""
+    if spec.pipeline_split is None:
+        return None
+
+    def stages_for(pp: int, local_batch: int) -> StagePlan:
+        run = copy.deepcopy(job_config)
+        run.parallelism.pipeline_parallel_degree = pp
+        run.training.local_batch_size = local_batch
+        return pipeline_plan(spec, model_args, run, pp)
+
+    return PipelineOptions(spec.pipeline_split, stages_for)
 
 
 def resolve(
@@ -271,7 +294,7 @@ def resolve(
             world_size=world_size,
             enable_loss_parallel=not parallelism.disable_loss_parallel,
             ep=degrees.get("ep", 1),
-            pp=parallelism.pipeline_parallel_degree,
+            pp=degrees.get("pp", 1),
         )
         global_batch = search_global_batch(job_config.training, world_size)
         run.training.local_batch_size = global_batch // dims.dp_degree

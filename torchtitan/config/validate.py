@@ -15,7 +15,7 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError
-from torchtitan.distributed.parallel_dims import mesh_search_requested
+from torchtitan.distributed.parallel_dims import AUTO
 from torchtitan.tools.logging import logger
 
 
@@ -62,15 +62,8 @@ def _check_training(cfg: JobConfig) -> None:
 
 def _check_pipeline(cfg: JobConfig) -> None:
     p = cfg.parallelism
-    if p.pipeline_parallel_degree == 1:
-        return
-    _at_least(p, "parallelism", "pipeline_parallel_degree", 1)
-    if mesh_search_requested(p):
-        raise ConfigError(
-            f"--parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}: the mesh "
-            "search does not choose around pipeline stages yet; give every other degree "
-            "instead of auto"
-        )
+    if p.pipeline_parallel_degree not in (1, AUTO):
+        _at_least(p, "parallelism", "pipeline_parallel_degree", 1)
 
 
 def _check_optimizer(cfg: JobConfig) -> None:

@@ -16,6 +16,7 @@ class ParallelismConfigError(UserInputError):
 
 AUTO = "auto"
 DEGREES = (  # (ParallelDims field, its --parallelism option), outermost mesh dim first
+    ("pp", "pipeline_parallel_degree"),
     ("dp_replicate", "data_parallel_replicate_degree"),
     ("dp_shard", "data_parallel_shard_degree"),
     ("tp", "tensor_parallel_degree"),
@@ -130,6 +131,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for name, degree in (
+            ("pp", self.pp),
             ("dp_replicate", self.dp_replicate),
             ("dp_shard", self.dp_shard),
             ("tp", self.tp),

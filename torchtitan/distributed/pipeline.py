@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from torchtitan.distributed.pipeline_cost import PipelineShape
 from torchtitan.errors import UserInputError
 
 SCHEDULES = (
@@ -76,14 +77,15 @@ class StagePlan:
     microbatches: int
     costs: StageCosts | None = None  # what the split balanced, when it was by cost
 
-    def describe(self) -> str:
-        """`1F1B, 2 stages of 3/3 blocks, 4 microbatches`, and what the split balanced."""
+    def describe(self, short: bool = False) -> str:
+        """`1F1B, 2 stages of 3/3 blocks, 4 microbatches`, and (not `short`) what the split
+        balanced."""
         text = (
             f"{self.schedule}, {self.stages} stages of "
             f"{'/'.join(str(len(b)) for b in self.blocks)} blocks, {self.microbatches} "
             "microbatches"
         )
-        if self.costs is not None:
+        if self.costs is not None and not short:
             c = self.costs
             text += (
                 f" (cut by predicted time per microbatch: first modules {c.first / 1e3:.2f} "
@@ -100,6 +102,24 @@ class StagePlan:
         if self.schedule in _V_SHAPED:
             return [pp_rank, 2 * pp - 1 - pp_rank]
         return list(range(pp_rank, self.stages, pp))
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pipeline rank holding `stage`."""
+        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+
+    def shape(self, pp: int) -> PipelineShape:
+        """The schedule's shape, for pricing (pipeline_cost.py)."""
+        return PipelineShape(self.schedule, pp, self.stages // pp, self.microbatches)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What a mesh search needs to try pipeline degrees: where the model is cut, and the
+    stages the job would run with `pp` pipeline ranks and a local batch of `local_batch`
+    (`stages_for(pp, local_batch)`; a `UserInputError` where they cannot split so)."""
+
+    split: PipelineSplit
+    stages_for: Callable[[int, int], StagePlan]
 
 
 def schedule_class(name: str) -> type:
@@ -245,6 +265,7 @@ class StageIO:
     first: bool
     last: bool
     stages_per_rank: int = 1  # a rank's memory is shared by the stages it holds
+    in_flight: float = 1.0  # microbatches whose activations the stage holds at its peak
 
 
 def stage_io(
@@ -274,9 +295,17 @@ def stage_io(
     ins = [microbatch.to("meta"), *(caught[s] for s in range(1, plan.stages))]
     outs = [*ins[1:], torch.empty_like(out, device="meta")]
     last = plan.stages - 1
-    per_rank = plan.stages // pp
+    shape = plan.shape(pp)
     return [
-        StageIO((i,), (o,), s == 0, s == last, per_rank) for s, (i, o) in enumerate(zip(ins, outs))
+        StageIO(
+            (i,),
+            (o,),
+            s == 0,
+            s == last,
+            shape.stages_per_rank,
+            shape.in_flight(plan.rank_of(s, pp)),
+        )
+        for s, (i, o) in enumerate(zip(ins, outs))
     ]
 
 

@@ -32,7 +32,7 @@ class MeshChoice:
     """A spec's mesh search's answer (`TrainSpec.choose_mesh_fn`)."""
 
     degrees: Mapping[str, int]
-    """The chosen mesh: {"dp_replicate", "dp_shard", "tp"}."""
+    """The chosen mesh: {"dp_replicate", "dp_shard", "tp"}, and "pp", "ep" when chosen."""
     plan: Any = None
     """The spec's own record of how it parallelises the model on that mesh (the planner
     specs: the chosen plan and the planner that traced the model), handed back to its
@@ -69,10 +69,12 @@ class TrainSpec:
     predicted time of the model's parts, by which the pipeline stages are split when the
     user gives no split; None: the blocks are split as evenly as they go."""
     choose_mesh_fn: Callable[..., MeshChoice | Mapping[str, int]] | None = None
-    """(meta model, model_args, job_config, world_size, global_batch) -> `MeshChoice` (or
-    just its degrees) for a job that leaves some degrees to `auto`; called on every rank
-    before the mesh exists (`torchtitan.config.resolve.search_mesh`).  None: the spec
-    cannot choose (`auto` is an error)."""
+    """(meta model, model_args, job_config, world_size, global_batch, pipeline) ->
+    `MeshChoice` (or just its degrees) for a job that leaves some degrees to `auto`; called
+    on every rank before the mesh exists (`torchtitan.config.resolve.search_mesh`).
+    `pipeline` (a `torchtitan.distributed.pipeline.PipelineOptions`, or None for a spec that
+    cannot pipeline) gives the stages of a pipeline degree.  None: the spec cannot choose
+    (`auto` is an error)."""
 
 
 class UnknownTrainSpecError(UserInputError):

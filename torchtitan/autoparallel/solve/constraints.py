@@ -45,12 +45,15 @@ class ParameterBudget:
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Predicted bytes per rank (memory.py) at most `bytes_per_rank`."""
+    """Predicted bytes per rank (memory.py) at most `bytes_per_rank`, the activations saved
+    for backward counted `in_flight` times (a pipeline stage holds several microbatches'
+    at once)."""
 
     LABEL: ClassVar[str] = "memory budget"  # how its name starts, in an infeasibility message
 
     name: str
     bytes_per_rank: float
+    in_flight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,13 +111,18 @@ def expert_parallel(mesh: DeviceMesh, dim: int | str) -> CollectiveDim:
     return CollectiveDim(f"experts split over mesh dim {label} ({mesh.shape[dim]} ranks)", dim)
 
 
-def memory_budget(bytes_per_rank: int | float) -> MemoryBudget:
+def memory_budget(bytes_per_rank: int | float, in_flight: float = 1.0) -> MemoryBudget:
     if not bytes_per_rank or bytes_per_rank <= 0:
         raise ConstraintError(
             f"memory budget must be a positive number of bytes, got {bytes_per_rank}"
         )
+    if in_flight < 1:
+        raise ConstraintError(f"microbatches in flight must be at least 1, got {in_flight}")
+    held = f" ({in_flight:g} microbatches' activations in flight)" if in_flight > 1 else ""
     return MemoryBudget(
-        f"{MemoryBudget.LABEL} {bytes_per_rank / 2**30:.4g} GiB per rank", float(bytes_per_rank)
+        f"{MemoryBudget.LABEL} {bytes_per_rank / 2**30:.4g} GiB per rank{held}",
+        float(bytes_per_rank),
+        float(in_flight),
     )
 
 

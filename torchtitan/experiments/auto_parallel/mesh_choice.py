@@ -17,6 +17,8 @@ candidate's plan is cached, so a restart makes the same choice without solving.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from torchtitan.autoparallel.api import on_rank0
@@ -24,8 +26,9 @@ from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,
     MeshSearch,
+    choose,
     factorisations,
-    search_meshes,
+    plan_candidates,
 )
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import (
@@ -34,6 +37,7 @@ from torchtitan.distributed.parallel_dims import (
     open_degrees,
     tensor_parallel_misfits,
 )
+from torchtitan.distributed.pipeline import PipelineOptions
 from torchtitan.distributed.utils import device_type
 from torchtitan.experiments.auto_parallel.parallelize import (
     SearchedPlan,
@@ -44,6 +48,7 @@ from torchtitan.experiments.auto_parallel.parallelize import (
     planner_for_job,
     planner_settings,
 )
+from torchtitan.experiments.auto_parallel.pipeline_search import plan_pipelined
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.train_spec import MeshChoice
 from torchtitan.tools.logging import logger
@@ -56,9 +61,10 @@ def choose_mesh_llama_auto(
     job_config: JobConfig,
     world_size: int,
     global_batch: int,
+    pipeline: PipelineOptions | None = None,
 ) -> MeshChoice:
     vocab = model.tok_embeddings.num_embeddings
-    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab)
+    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab, pipeline)
 
 
 def choose_mesh_hf_auto(
@@ -67,9 +73,10 @@ def choose_mesh_hf_auto(
     job_config: JobConfig,
     world_size: int,
     global_batch: int,
+    pipeline: PipelineOptions | None = None,
 ) -> MeshChoice:
     vocab = model.get_input_embeddings().num_embeddings
-    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab)
+    return choose_mesh(model, model_args, job_config, world_size, global_batch, vocab, pipeline)
 
 
 def candidate_degrees(
@@ -124,11 +131,13 @@ def choose_mesh(
     world_size: int,
     global_batch: int,
     vocab_size: int,
+    pipeline: PipelineOptions | None = None,
 ) -> MeshChoice:
-    """The degrees (`dp_replicate`, `dp_shard`, `tp`) of the cheapest candidate mesh, and
-    its plan with the planner that traced the model (`SearchedPlan`, for
-    `parallelize_auto`); call on every rank (each traces, rank 0 searches, the others
-    receive its answer)."""
+    """The degrees (`pp`, `dp_replicate`, `dp_shard`, `tp`, `ep`) of the cheapest candidate
+    mesh, and for a mesh without pipeline stages its plan with the planner that traced the
+    model (`SearchedPlan`, for `parallelize_auto`; a pipelined mesh's stages are planned
+    when the trainer builds them); call on every rank (each traces, rank 0 searches, the
+    others receive its answer)."""
     parallelism = job_config.parallelism
     cost_model = job_cost_model(planner_settings(job_config).cost_model)
     keep, skipped = candidate_degrees(
@@ -143,43 +152,66 @@ def choose_mesh(
         keep, parallelism.expert_parallel_degree, model_args.routed_experts()
     )
     skipped += no_ep
-    if not keep:
+    flat = [d for d in keep if d["pp"] == 1]
+    piped = [d for d in keep if d["pp"] > 1]
+    if piped and pipeline is None:
+        skipped += [(d, "the spec cannot pipeline this model") for d in piped]
+        piped = []
+    if not flat and not piped:
         from torchtitan.distributed.parallel_dims import ParallelismConfigError
 
         why = "; ".join(f"{_label(d)}: {reason}" for d, reason in skipped) or "none"
         raise ParallelismConfigError(
             f"mesh search: no mesh of world {world_size} suits this model ({why})"
         )
-    by_mesh = {MeshCandidate(*zip(*mesh_dims(**d))): d for d in keep}
-    first = next(iter(by_mesh))
+    by_mesh = {MeshCandidate(*zip(*mesh_dims(**d))): d for d in [*flat, *piped]}
+    planner = None
 
     def search() -> str:
-        result = search_meshes(
-            planner,
-            list(by_mesh),
-            lambda sub, cand: add_job_constraints(
-                sub,
-                cand.names,
-                cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
-                job_config,
-            ),
-            tie_break=lambda cand: cand.size("tp"),
-            cache_dir=plan_cache_folder(job_config),
-            device_type=device_type(),
-            skipped=[(_label(d), why) for d, why in skipped],
+        planned = []
+        if planner is not None:
+            planned = plan_candidates(
+                planner,
+                [MeshCandidate(*zip(*mesh_dims(**d))) for d in flat],
+                lambda sub, cand: add_job_constraints(
+                    sub,
+                    cand.names,
+                    cand.size("tp") > 1 and not parallelism.disable_loss_parallel,
+                    job_config,
+                ),
+                cache_dir=plan_cache_folder(job_config),
+                device_type=device_type(),
+            )
+        not_planned = [(_label(d), why) for d, why in skipped]
+        if piped:
+            assert pipeline is not None
+            more, unsplit = plan_pipelined(
+                model, pipeline, piped, job_config, global_batch, vocab_size
+            )
+            planned += more
+            not_planned += unsplit
+        result = choose(
+            planned,
+            tie_break=lambda cand: (cand.size("pp"), cand.size("tp")),
+            skipped=not_planned,
         )
         return result.to_json()  # with the chosen plan, for every rank
 
     try:
-        mesh = planning_mesh(device_type(), first.shape, first.names)
-        planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
+        if flat:
+            first = MeshCandidate(*zip(*mesh_dims(**flat[0])))
+            mesh = planning_mesh(device_type(), first.shape, first.names)
+            planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
         # the job's one trace: rank 0 plans every candidate from it, and every rank
         # applies the chosen plan from it (`parallelize_auto`)
-        with planner:
+        with planner if planner is not None else contextlib.nullcontext():
             result = MeshSearch.from_json(on_rank0(search))
     except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
         raise planner_error(e, job_config) from None
     logger.info(f"{result.verdict()}\n{result.table()}")
-    if result.plan is None:  # search_meshes keeps the chosen candidate's plan
+    degrees = by_mesh[result.best.mesh]
+    if degrees["pp"] > 1:
+        return MeshChoice(degrees)  # its stages are planned as the trainer builds them
+    if result.plan is None or planner is None:  # choose keeps the chosen candidate's plan
         raise RuntimeError("mesh search: the chosen mesh came without its plan")
-    return MeshChoice(by_mesh[result.best.mesh], SearchedPlan(planner, result.plan))
+    return MeshChoice(degrees, SearchedPlan(planner, result.plan))

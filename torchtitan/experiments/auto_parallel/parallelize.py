@@ -190,11 +190,13 @@ def add_job_constraints(
     loss_parallel: bool,
     job_config: JobConfig,
     memory_share: int = 1,
+    in_flight: float = 1.0,
 ) -> None:
     """The job's constraints: the memory budget (a rank's, shared by the `memory_share`
-    pipeline stages it holds), the parameter fraction if one is set, the batch split over
-    every data-parallel dim, logits split over tp with loss parallelism, the routed experts
-    split over the `ep` dim when the job has one, the `--autoparallel.pin` placements."""
+    pipeline stages it holds, each holding `in_flight` microbatches' activations), the
+    parameter fraction if one is set, the batch split over every data-parallel dim, logits
+    split over tp with loss parallelism, the routed experts split over the `ep` dim when
+    the job has one, the `--autoparallel.pin` placements."""
     settings = planner_settings(job_config)
     autop.set_recompute(job_recompute(job_config, autop))
     fraction = parameter_fraction(settings.max_parameter_fraction, autop.mesh.size())
@@ -202,7 +204,7 @@ def add_job_constraints(
         autop.add_parameter_memory_constraint(low=None, high=fraction)
     if EP in names:  # --parallelism.expert_parallel_degree: the experts split over `ep`
         autop.add_expert_parallel_constraint(EP)
-    autop.add_memory_constraint(memory_budget_bytes(job_config) / memory_share)
+    autop.add_memory_constraint(memory_budget_bytes(job_config) / memory_share, in_flight)
     autop.add_input_constraints([_batch_placements(names, Replicate())])
     autop.add_output_constraints(
         [_batch_placements(names, Shard(2) if loss_parallel else Replicate())]
@@ -305,8 +307,8 @@ def _parallelize(
         )
     else:
         with planner_for_job(model, mesh, job_config, vocab_size, global_batch, stage) as autop:
-            share = stage.stages_per_rank if stage is not None else 1
-            add_job_constraints(autop, names, loss_parallel, job_config, share)
+            share, in_flight = (stage.stages_per_rank, stage.in_flight) if stage else (1, 1.0)
+            add_job_constraints(autop, names, loss_parallel, job_config, share, in_flight)
             cache_dir = plan_cache_folder(job_config)
             if path := job_plan_file(job_config):
                 plan = autop.plan_from_file(path, broadcast=True, cache_dir=cache_dir)
