@@ -49,14 +49,14 @@ def _job(*argv: str):
     )
 
 
-def _plan(*argv: str, memory_share: int = 1):
+def _plan(*argv: str, memory_share: int = 1, in_flight: float = 1.0):
     job = _job(*argv)
     args = dataclasses.replace(llama3_configs["debugmodel"], n_layers=2, vocab_size=2048)
     with torch.device("meta"):
         model = Transformer(args)
     mesh = planning_mesh("cpu", (4,), NAMES)
     with planner_for_job(model, mesh, job, args.vocab_size, global_batch=8) as autop:
-        add_job_constraints(autop, NAMES, False, job, memory_share)
+        add_job_constraints(autop, NAMES, False, job, memory_share, in_flight)
         return autop.optimize_placement()
 
 
@@ -99,6 +99,38 @@ def test_two_pipeline_stages_on_a_rank_share_its_budget():
     shared = _plan("--autoparallel.memory_budget_gib", str(budget / 2**30), memory_share=2)
     assert shared.predicted["peak_bytes_per_rank"] <= budget / 2 * (1 + 1e-6)
     assert any(pl.startswith("S(") for pl in shared.params.values())
+
+
+@pytest.mark.usefixtures("module_fake_world")
+def test_a_stage_plan_fits_with_the_microbatches_its_schedule_keeps_in_flight():
+    """The replicated plan fits one microbatch's activations; with four in flight (a first
+    1F1B stage of four) the extra three do not fit beside it, so the plan is solved again
+    under a budget lowered by them, and fits with all four."""
+    free = _plan()
+    one, saved = (
+        free.predicted["peak_bytes_per_rank"],
+        free.predicted["saved_at_boundary_bytes_per_rank"],
+    )
+    budget = one + 1.5 * saved
+    alone = _plan("--autoparallel.memory_budget_gib", str(budget / 2**30))
+    assert set(alone.params.values()) == {"R"}
+    held = _plan("--autoparallel.memory_budget_gib", str(budget / 2**30), in_flight=4)
+    p = held.predicted
+    assert p["in_flight_peak_bytes_per_rank"] == pytest.approx(
+        p["peak_bytes_per_rank"] + 3 * p["saved_at_boundary_bytes_per_rank"]
+    )
+    assert p["in_flight_peak_bytes_per_rank"] <= budget * (1 + 1e-6)
+    assert any(pl.startswith("S(") for pl in held.params.values())
+
+
+@pytest.mark.usefixtures("module_fake_world")
+def test_microbatches_in_flight_no_plan_can_hold_are_one_line():
+    free = _plan()
+    budget = free.predicted["saved_at_boundary_bytes_per_rank"] * 10
+    with pytest.raises(InfeasiblePlanError) as e:
+        _plan("--autoparallel.memory_budget_gib", str(budget / 2**30), in_flight=100)
+    assert "(100 microbatches' activations in flight)" in str(e.value)
+    assert "GiB more for each other one in flight" in str(e.value)
 
 
 @pytest.mark.usefixtures("module_fake_world")

@@ -394,12 +394,12 @@ def test_candidates_tp_must_divide_heads_and_sequence():
         Parallelism(tensor_parallel_degree="auto"), 8, 8, _sizes(n_heads=6), 64, None
     )
     assert keep == [
-        {"dp_replicate": 1, "dp_shard": 4, "tp": 2},
-        {"dp_replicate": 1, "dp_shard": 8, "tp": 1},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 1},
     ]
     assert skipped == [
-        ({"dp_replicate": 1, "dp_shard": 1, "tp": 8}, "tp 8 does not divide n_heads 6"),
-        ({"dp_replicate": 1, "dp_shard": 2, "tp": 4}, "tp 4 does not divide n_heads 6"),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 8}, "tp 8 does not divide n_heads 6"),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 4}, "tp 4 does not divide n_heads 6"),
     ]
     _, skipped = candidate_degrees(
         Parallelism(tensor_parallel_degree="auto"), 8, 8, _sizes(), 12, None
@@ -413,8 +413,8 @@ def test_candidates_tp_stays_within_a_node():
     )
     assert [d["tp"] for d in keep] == [2, 1]
     assert skipped == [
-        ({"dp_replicate": 1, "dp_shard": 1, "tp": 8}, "tp 8 spans nodes of 2"),
-        ({"dp_replicate": 1, "dp_shard": 2, "tp": 4}, "tp 4 spans nodes of 2"),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 8}, "tp 8 spans nodes of 2"),
+        ({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 4}, "tp 4 spans nodes of 2"),
     ]
 
 
@@ -423,27 +423,30 @@ def test_candidates_dp_must_divide_the_global_batch():
         Parallelism(tensor_parallel_degree="auto"), 8, 4, _sizes(), 64, None
     )
     assert keep == [
-        {"dp_replicate": 1, "dp_shard": 1, "tp": 8},
-        {"dp_replicate": 1, "dp_shard": 2, "tp": 4},
-        {"dp_replicate": 1, "dp_shard": 4, "tp": 2},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 8},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 4},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2},
     ]
     assert skipped == [
-        ({"dp_replicate": 1, "dp_shard": 8, "tp": 1}, "dp 8 does not divide the global batch 4")
+        (
+            {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 1},
+            "dp 8 does not divide the global batch 4",
+        )
     ]
     # replicate and shard together make the data-parallel degree
     every_degree = Parallelism(data_parallel_replicate_degree="auto", tensor_parallel_degree="auto")
     keep, skipped = candidate_degrees(every_degree, 4, 2, _sizes(), 64, None)
     assert keep == [
-        {"dp_replicate": 1, "dp_shard": 1, "tp": 4},
-        {"dp_replicate": 1, "dp_shard": 2, "tp": 2},
-        {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2},
+        {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 2},
     ]
     assert skipped == [
         (d, "dp 4 does not divide the global batch 2")
         for d in (
-            {"dp_replicate": 1, "dp_shard": 4, "tp": 1},
-            {"dp_replicate": 2, "dp_shard": 2, "tp": 1},
-            {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
+            {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1},
+            {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 1},
+            {"pp": 1, "dp_replicate": 4, "dp_shard": 1, "tp": 1},
         )
     ]
 
@@ -453,7 +456,9 @@ def test_candidates_vocab_counts_only_with_loss_parallelism():
     keep, skipped = candidate_degrees(
         Parallelism(tensor_parallel_degree="auto"), 4, 4, sizes, 64, None
     )
-    assert keep == [{"dp_replicate": 1, "dp_shard": 4, "tp": 1}]  # tp 1: no split vocabulary
+    assert keep == [
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    ]  # tp 1: no split vocabulary
     assert [why for _, why in skipped] == [
         "tp 4 does not divide vocab_size 1001",
         "tp 2 does not divide vocab_size 1001",
@@ -497,3 +502,15 @@ def test_the_job_cost_model_takes_the_node_size_from_the_launch(monkeypatch):
     assert job_cost_model("auto").device == DEVICES["cpu"]  # no GPU here
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert job_cost_model("a100").gpus_per_node == 8
+
+
+def test_candidates_include_every_pipeline_degree_when_pp_is_auto():
+    keep, skipped = candidate_degrees(
+        Parallelism(pipeline_parallel_degree="auto"), 4, 4, _sizes(), 64, None
+    )
+    assert keep == [
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1},
+        {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1},
+        {"pp": 4, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+    ]
+    assert skipped == []

@@ -66,7 +66,7 @@ from .trace.planning import PlanningTrace
 log = logging.getLogger(__name__)
 
 # solves at most, lowering the budget each time, to fit a plan with microbatches in flight
-IN_FLIGHT_SOLVES = 4
+IN_FLIGHT_SOLVES = 6
 
 
 def _is_multirank() -> bool:
@@ -420,24 +420,29 @@ class AutoParallel:
         return self.mesh._flatten().get_group()
 
     def _solve(self, problem: PlanningProblem, verbose: bool) -> Plan:
-        """The solver's plan; under a budget with several microbatches in flight, solved
-        again with the budget lowered by the extra microbatches' saved activations until
-        the plan fits with them (the memory model counts one microbatch's)."""
+        """The solver's plan.  Under a budget with several microbatches in flight (the
+        memory model counts one microbatch's activations), the plan's peak plus the other
+        microbatches' saved activations must fit: while it does not, solved again under a
+        budget lowered by what the last plan needed beyond it."""
         budget = next((c for c in problem.constraints if isinstance(c, MemoryBudget)), None)
         plan = self._solve_once(problem, verbose)
         if budget is None or budget.in_flight <= 1:
             return plan
-        for _ in range(IN_FLIGHT_SOLVES):
-            extra = (budget.in_flight - 1) * plan.predicted["saved_at_boundary_bytes_per_rank"]
-            plan.predicted["in_flight_peak_bytes_per_rank"] = (
-                plan.predicted["peak_bytes_per_rank"] + extra
+        others = tuple(c for c in problem.constraints if c is not budget)
+        limit = budget.bytes_per_rank
+        for attempt in range(IN_FLIGHT_SOLVES):
+            p = plan.predicted
+            held = (
+                p["peak_bytes_per_rank"]
+                + (budget.in_flight - 1) * p["saved_at_boundary_bytes_per_rank"]
             )
-            if plan.predicted["in_flight_peak_bytes_per_rank"] <= budget.bytes_per_rank:
+            p["in_flight_peak_bytes_per_rank"] = held
+            if held <= budget.bytes_per_rank:
                 return plan
-            if extra >= budget.bytes_per_rank:
+            limit -= held - budget.bytes_per_rank
+            if limit <= 0 or attempt == IN_FLIGHT_SOLVES - 1:
                 break
-            lower = dataclasses.replace(budget, bytes_per_rank=budget.bytes_per_rank - extra)
-            others = tuple(c for c in problem.constraints if c is not budget)
+            lower = dataclasses.replace(budget, bytes_per_rank=limit)
             plan = self._solve_once(
                 dataclasses.replace(problem, constraints=(*others, lower)), verbose
             )

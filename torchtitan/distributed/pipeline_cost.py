@@ -15,8 +15,9 @@ zero-bubble ones).  This module prices what that adds, from the schedule's shape
   the interleaved ones: the credit for splitting backward into input and weight
   gradients is not taken (an upper bound);
 * memory — how many microbatches' activations a stage holds at once at its peak (GPipe
-  and LoopedBFS all of them; 1F1B `p - r` on pipeline rank `r`; the interleaved
-  schedules their warm-up's forwards, spread over the rank's stages).
+  and LoopedBFS all of them; 1F1B `p - r` on pipeline rank `r`; the interleaved and
+  zero-bubble schedules what their warm-up holds, spread over the rank's stages), as
+  torch's schedules order their operations.
 """
 
 from __future__ import annotations
@@ -40,16 +41,23 @@ class PipelineShape:
 
     def in_flight(self, pp_rank: int) -> float:
         """Microbatches whose activations each stage of pipeline rank `pp_rank` keeps at
-        its peak (what its one-microbatch plan saves for backward, this many times)."""
-        m, p, v = self.microbatches, self.pp, self.stages_per_rank
+        its peak (what its one-microbatch plan saves for backward, this many times): the
+        most stage-microbatches the rank holds at once in torch's order of operations, over
+        its stages (tests/unit_tests/test_pipeline_cost.py reads them from torch)."""
+        m, p, v, r = self.microbatches, self.pp, self.stages_per_rank, pp_rank
+        if not 0 <= r < p:
+            raise ValueError(f"pipeline rank {r} of {p}")
         if self.schedule in _ALL_FORWARDS_FIRST:
-            return float(m)
-        if v == 1:
-            return float(min(m, p - pp_rank))
-        # the interleaved warm-up: (v - 1) rounds of p forwards, plus two per rank below
-        # the last, then one more before the first backward; each a stage's microbatch
-        warmup = (v - 1) * p + 2 * (p - 1 - pp_rank) + 1
-        return min(float(m), warmup / v)
+            held = v * m
+        elif v == 1:  # 1F1B: the warm-up's forwards, one per rank below, and one more
+            held = min(m, p - r)
+        elif self.schedule == "ZBVZeroBubble":
+            held = min(2 * p, m + 1 + r, 2 * m)
+        elif self.schedule == "InterleavedZeroBubble":
+            held = v * min(p, m)
+        else:  # Interleaved1F1B: (v - 1) rounds of p forwards, two per rank below, one more
+            held = min(v * m, (v - 1) * p + 2 * (p - 1 - r) + 1)
+        return held / v
 
     def step_us(self, rank_us: list[float], send_us: float) -> float:
         """The step time given each pipeline rank's time for one microbatch through all
