@@ -109,14 +109,19 @@ def test_planned_stages_match_1rank(args, stages, train_on_ranks):
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="planned " + " ".join(args[2:]))
 
 
-def test_a_searched_pipelined_mesh_matches_1rank(train_on_ranks):
-    """pp 2 with tp left to the mesh search: both pipelined candidates are planned stage by
-    stage and priced with the schedule's bubble and sends; the chosen one trains."""
-    run = train_on_ranks(4, _pp(2, "1F1B", shard=-1, tp="auto", local_batch=1, model=AUTO))
+def test_a_searched_pipelined_mesh_and_schedule_match_1rank(train_on_ranks):
+    """pp 2 with tp and the schedule left to the mesh search: every pipelined candidate is
+    planned stage by stage and priced with its schedule's bubble and sends; the chosen
+    mesh and schedule train."""
+    run = train_on_ranks(4, _pp(2, "auto", shard=-1, tp="auto", local_batch=1, model=AUTO))
     for mesh in ("pp 2 x tp 2", "pp 2 x dp_shard 2"):
-        assert f"   {mesh}: 1F1B, 2 stages of 3/3 blocks" in run.output, mesh
-    assert "mesh search (world 4, 2 candidates)" in run.output
-    assert "resolved config: pp 2 x " in run.output
+        assert f"   {mesh}, 1F1B: 2 stages of 3/3 blocks" in run.output, mesh
+        assert f"   {mesh}, Interleaved1F1B: 4 stages of 1/2/2/1 blocks" in run.output, mesh
+    assert "mesh search (world 4, 4 candidates)" in run.output
+    chosen = run.output.split("mesh search (world 4, 4 candidates): ")[1]
+    chosen = chosen.split(", predicted step")[0]
+    assert chosen.startswith("pp 2 x ")
+    assert f"pipeline: {chosen.split(', ')[1]}, " in run.output, chosen
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="searched pp 2 mesh")
 
 

@@ -60,7 +60,12 @@ class CandidateResult:
     objective: float | None = None  # the solver's: step + tie-breaks (solver.TIE_BREAK_US)
     note: str = ""  # why there is no plan ("" when there is one)
     plan_s: float = 0.0
-    detail: str = ""  # what else the candidate chose (a pipeline's schedule and stages)
+    detail: str = ""  # what else the candidate chose (a pipeline's stages)
+    schedule: str = ""  # a pipelined candidate's schedule ("" without pipeline stages)
+
+    def label(self) -> str:
+        """The mesh, and the schedule of a pipelined one."""
+        return self.mesh.label() + (f", {self.schedule}" if self.schedule else "")
 
     @property
     def fits(self) -> bool:
@@ -125,7 +130,7 @@ class MeshSearch:
             rows.append(
                 (
                     "*" if i == self.chosen else "",
-                    r.mesh.label(),
+                    r.label(),
                     f"{r.step_us / 1e3:.2f}" if r.fits else "-",
                     f"{p['exposed_comm_us'] / 1e3:.2f}" if r.fits else "-",
                     f"{p['peak_bytes_per_rank'] / 2**30:.2f}" if r.fits else "-",
@@ -138,13 +143,13 @@ class MeshSearch:
             "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)).rstrip() + "  " + row[-1]
             for row in rows
         ]
-        lines += [f"   {r.mesh.label()}: {r.detail}" for r in self.results if r.detail]
+        lines += [f"   {r.label()}: {r.detail}" for r in self.results if r.detail]
         lines += [f"   {label}: not planned, {why}" for label, why in self.skipped]
         return "\n".join(lines)
 
     def verdict(self) -> str:
         best, margin = self.best, self.proven_margin
-        ties = ", ".join(self.results[i].mesh.label() for i in self.tied)
+        ties = ", ".join(self.results[i].label() for i in self.tied)
         if margin is None:
             proof = f"tied with {ties}" if ties else "the only candidate"
         elif math.isinf(margin):
@@ -157,7 +162,7 @@ class MeshSearch:
             proof = f"tied with {ties}; {proof}"
         return (
             f"mesh search (world {self.world}, {len(self.results)} candidates): "
-            f"{best.mesh.label()}, predicted step {best.step_us / 1e3:.2f} ms ({proof})"
+            f"{best.label()}, predicted step {best.step_us / 1e3:.2f} ms ({proof})"
         )
 
     def to_json(self) -> str:
@@ -190,6 +195,7 @@ class MeshSearch:
                 note=r["note"],
                 plan_s=r["plan_s"],
                 detail=r.get("detail", ""),
+                schedule=r.get("schedule", ""),
             )
             for r in data["results"]
         ]
@@ -293,7 +299,7 @@ def choose(
     results = [r for r, _ in planned]
     fitting = [i for i, r in enumerate(results) if r.fits]
     if not fitting:
-        notes = "; ".join(f"{r.mesh.label()}: {r.note}" for r in results)
+        notes = "; ".join(f"{r.label()}: {r.note}" for r in results)
         raise PlannerError(f"mesh search: no candidate mesh has a plan ({notes})")
     fastest = min(results[i].step_us for i in fitting)
     tied = [i for i in fitting if results[i].step_us <= fastest * (1 + TIE_REL)]

@@ -29,7 +29,13 @@ from torchtitan.distributed.parallel_dims import (
     ParallelismConfigError,
     check_search_degrees,
 )
-from torchtitan.distributed.pipeline import PipelineOptions, StagePlan, plan_stages
+from torchtitan.distributed.pipeline import (
+    AUTO_SCHEDULES,
+    SCHEDULES,
+    PipelineOptions,
+    StagePlan,
+    plan_stages,
+)
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.protocols.train_spec import MeshChoice, TrainSpec
@@ -127,6 +133,12 @@ def pipeline_plan(
     schedule torch does not have."""
     p = job_config.parallelism
     option = f"--parallelism.pipeline_parallel_degree {pp}"
+    if p.pipeline_parallel_schedule == AUTO:
+        raise UserInputError(
+            "--parallelism.pipeline_parallel_schedule auto: the mesh search chooses it, and "
+            "it runs when a degree is auto (e.g. --parallelism.pipeline_parallel_degree "
+            f"auto); give one of {', '.join(SCHEDULES)}"
+        )
     if spec.pipeline_split is None:
         raise UserInputError(
             f"{option}: {spec.name} cannot be pipelined (its spec names no pipeline split); "
@@ -237,7 +249,7 @@ def search_mesh(
         job_config,
         world_size,
         global_batch,
-        _pipeline_options(spec, model_args, job_config),
+        pipeline_options(spec, model_args, job_config),
     )
     choice = answer if isinstance(answer, MeshChoice) else MeshChoice(dict(answer))
     degrees = choice.degrees
@@ -250,20 +262,26 @@ def search_mesh(
     return choice
 
 
-def _pipeline_options(
+def pipeline_options(
     spec: TrainSpec, model_args: BaseModelArgs, job_config: JobConfig
 ) -> PipelineOptions | None:
-    """The stages each pipeline degree would run (`pipeline_plan`), for the mesh search."""
+    """The stages each pipeline degree, local batch and schedule would run
+    (`pipeline_plan`), for the mesh search; None for a spec that cannot pipeline."""
     if spec.pipeline_split is None:
         return None
+    p = job_config.parallelism
+    schedules = AUTO_SCHEDULES if p.pipeline_parallel_schedule == AUTO else None
 
-    def stages_for(pp: int, local_batch: int) -> StagePlan:
+    def stages_for(pp: int, local_batch: int, schedule: str) -> StagePlan:
         run = copy.deepcopy(job_config)
         run.parallelism.pipeline_parallel_degree = pp
+        run.parallelism.pipeline_parallel_schedule = schedule
         run.training.local_batch_size = local_batch
         return pipeline_plan(spec, model_args, run, pp)
 
-    return PipelineOptions(spec.pipeline_split, stages_for)
+    return PipelineOptions(
+        spec.pipeline_split, stages_for, schedules or (p.pipeline_parallel_schedule,)
+    )
 
 
 def resolve(
@@ -299,6 +317,8 @@ def resolve(
         global_batch = search_global_batch(job_config.training, world_size)
         run.training.local_batch_size = global_batch // dims.dp_degree
         run.training.global_batch_size = global_batch
+        if mesh_choice.schedule is not None:
+            run.parallelism.pipeline_parallel_schedule = mesh_choice.schedule
     for name, option in DEGREES:
         setattr(run.parallelism, option, getattr(dims, name))
     run.parallelism.expert_parallel_degree = dims.ep

@@ -44,6 +44,9 @@ SCHEDULES = (
     "ZBVZeroBubble",
 )
 _V_SHAPED = ("ZBVZeroBubble",)  # rank r holds stages r and 2·pp − 1 − r
+# what `--parallelism.pipeline_parallel_schedule auto` lets the mesh search choose from: the
+# schedules of torchtitan's published pipelined runs (one stage per rank, and interleaved)
+AUTO_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,16 @@ class StagePlan:
     costs: StageCosts | None = None  # what the split balanced, when it was by cost
 
     def describe(self, short: bool = False) -> str:
-        """`1F1B, 2 stages of 3/3 blocks, 4 microbatches`, and (not `short`) what the split
-        balanced."""
+        """`1F1B, 2 stages of 3/3 blocks, 4 microbatches` and what the split balanced; `short`:
+        the stages and microbatches only."""
         text = (
-            f"{self.schedule}, {self.stages} stages of "
-            f"{'/'.join(str(len(b)) for b in self.blocks)} blocks, {self.microbatches} "
-            "microbatches"
+            f"{self.stages} stages of {'/'.join(str(len(b)) for b in self.blocks)} blocks, "
+            f"{self.microbatches} microbatches"
         )
-        if self.costs is not None and not short:
+        if short:
+            return text
+        text = f"{self.schedule}, {text}"
+        if self.costs is not None:
             c = self.costs
             text += (
                 f" (cut by predicted time per microbatch: first modules {c.first / 1e3:.2f} "
@@ -114,12 +119,14 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """What a mesh search needs to try pipeline degrees: where the model is cut, and the
-    stages the job would run with `pp` pipeline ranks and a local batch of `local_batch`
-    (`stages_for(pp, local_batch)`; a `UserInputError` where they cannot split so)."""
+    """What a mesh search needs to try pipeline degrees: where the model is cut, the
+    stages the job would run with `pp` pipeline ranks, a local batch of `local_batch` and a
+    schedule (`stages_for(pp, local_batch, schedule)`; a `UserInputError` where they cannot
+    split so), and the schedules to try (the job's, or `AUTO_SCHEDULES` for auto)."""
 
     split: PipelineSplit
-    stages_for: Callable[[int, int], StagePlan]
+    stages_for: Callable[[int, int, str], StagePlan]
+    schedules: tuple[str, ...]
 
 
 def schedule_class(name: str) -> type:

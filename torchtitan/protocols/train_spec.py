@@ -37,6 +37,9 @@ class MeshChoice:
     """The spec's own record of how it parallelises the model on that mesh (the planner
     specs: the chosen plan and the planner that traced the model), handed back to its
     `parallelize_fn`, which applies it instead of planning again; None: nothing kept."""
+    schedule: str | None = None
+    """The pipeline schedule chosen with a pipelined mesh (for a schedule left to `auto`);
+    None: the job's own."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import contextlib
 
 from torch import nn
 
-from torchtitan.autoparallel.api import on_rank0
+from torchtitan.autoparallel.api import AutoParallel, on_rank0
 from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,
@@ -134,10 +134,36 @@ def choose_mesh(
     pipeline: PipelineOptions | None = None,
 ) -> MeshChoice:
     """The degrees (`pp`, `dp_replicate`, `dp_shard`, `tp`, `ep`) of the cheapest candidate
-    mesh, and for a mesh without pipeline stages its plan with the planner that traced the
-    model (`SearchedPlan`, for `parallelize_auto`; a pipelined mesh's stages are planned
-    when the trainer builds them); call on every rank (each traces, rank 0 searches, the
-    others receive its answer)."""
+    mesh (`search_job_meshes`), and for a mesh without pipeline stages its plan with the
+    planner that traced the model (`SearchedPlan`, for `parallelize_auto`; a pipelined
+    mesh's stages are planned when the trainer builds them, its schedule comes with it);
+    call on every rank (each traces, rank 0 searches, the others receive its answer)."""
+    try:
+        result, degrees, planner = search_job_meshes(
+            model, model_args, job_config, world_size, global_batch, vocab_size, pipeline
+        )
+    except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
+        raise planner_error(e, job_config) from None
+    logger.info(f"{result.verdict()}\n{result.table()}")
+    if degrees["pp"] > 1:  # its stages are planned as the trainer builds them
+        return MeshChoice(degrees, schedule=result.best.schedule)
+    if result.plan is None or planner is None:  # choose keeps the chosen candidate's plan
+        raise RuntimeError("mesh search: the chosen mesh came without its plan")
+    return MeshChoice(degrees, SearchedPlan(planner, result.plan))
+
+
+def search_job_meshes(
+    model: nn.Module,
+    model_args: BaseModelArgs,
+    job_config: JobConfig,
+    world_size: int,
+    global_batch: int,
+    vocab_size: int,
+    pipeline: PipelineOptions | None = None,
+) -> tuple[MeshSearch, dict[str, int], AutoParallel | None]:
+    """Every candidate planned and the cheapest chosen: the search, the chosen degrees,
+    and the planner holding the job's one trace of the whole model (None when every
+    candidate is pipelined)."""
     parallelism = job_config.parallelism
     cost_model = job_cost_model(planner_settings(job_config).cost_model)
     keep, skipped = candidate_degrees(
@@ -197,21 +223,12 @@ def choose_mesh(
         )
         return result.to_json()  # with the chosen plan, for every rank
 
-    try:
-        if flat:
-            first = MeshCandidate(*zip(*mesh_dims(**flat[0])))
-            mesh = planning_mesh(device_type(), first.shape, first.names)
-            planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
-        # the job's one trace: rank 0 plans every candidate from it, and every rank
-        # applies the chosen plan from it (`parallelize_auto`)
-        with planner if planner is not None else contextlib.nullcontext():
-            result = MeshSearch.from_json(on_rank0(search))
-    except PlannerError as e:  # raised alike on every rank (on_rank0): the trainer's one line
-        raise planner_error(e, job_config) from None
-    logger.info(f"{result.verdict()}\n{result.table()}")
-    degrees = by_mesh[result.best.mesh]
-    if degrees["pp"] > 1:
-        return MeshChoice(degrees)  # its stages are planned as the trainer builds them
-    if result.plan is None or planner is None:  # choose keeps the chosen candidate's plan
-        raise RuntimeError("mesh search: the chosen mesh came without its plan")
-    return MeshChoice(degrees, SearchedPlan(planner, result.plan))
+    if flat:
+        first = MeshCandidate(*zip(*mesh_dims(**flat[0])))
+        mesh = planning_mesh(device_type(), first.shape, first.names)
+        planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
+    # the job's one trace: rank 0 plans every candidate from it, and every rank
+    # applies the chosen plan from it (`parallelize_auto`)
+    with planner if planner is not None else contextlib.nullcontext():
+        result = MeshSearch.from_json(on_rank0(search))
+    return result, by_mesh[result.best.mesh], planner

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,8 @@ from torchtitan.experiments.auto_parallel.parallelize import (
 from torchtitan.tools.logging import logger
 from torchtitan.torch_private import planning_mesh
 
+Pins = Callable[[dict[str, tuple[int, ...]], tuple[str, ...]], dict[str, tuple]]
+
 
 @dataclass(frozen=True)
 class _Kind:
@@ -66,29 +70,35 @@ def plan_pipelined(
     job_config: JobConfig,
     global_batch: int,
     vocab_size: int,
+    pins: Pins | None = None,
 ) -> tuple[list[tuple[CandidateResult, Plan | None]], list[tuple[str, str]]]:
-    """Each pipelined candidate's result (no plan is kept: the trainer plans its stages
-    once it runs them), and [(mesh label, why not planned)] for those whose stages cannot
-    split as the job asks."""
+    """Each pipelined candidate's result under each schedule to try (no plan is kept: the
+    trainer plans its stages once it runs them), and [(label, why not planned)] for those
+    whose stages cannot split as the job asks.  `pins` (parameter shapes, mesh dim names
+    -> placements) pins each stage's parameters, to price a hand-written configuration."""
     planned: list[tuple[CandidateResult, Plan | None]] = []
     skipped: list[tuple[str, str]] = []
     for degrees in candidates:
         mesh = MeshCandidate(*zip(*mesh_dims(**degrees)))
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
-        try:
-            stages = pipeline.stages_for(degrees["pp"], global_batch // dp)
-        except UserInputError as e:
-            skipped.append((mesh.label(), str(e)))
-            continue
-        t0 = time.perf_counter()
-        result = _plan_candidate(model, pipeline, stages, degrees, mesh, job_config, vocab_size)
-        result.plan_s = time.perf_counter() - t0
-        logger.info(
-            f"mesh {mesh.label()}: "
-            + (f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note)
-            + f" ({result.detail}) in {result.plan_s:.1f}s"
-        )
-        planned.append((result, None))
+        for schedule in pipeline.schedules:
+            label = f"{mesh.label()}, {schedule}"
+            try:
+                stages = pipeline.stages_for(degrees["pp"], global_batch // dp, schedule)
+            except UserInputError as e:
+                skipped.append((label, str(e)))
+                continue
+            t0 = time.perf_counter()
+            result = _plan_candidate(
+                model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins
+            )
+            result.plan_s = time.perf_counter() - t0
+            logger.info(
+                f"mesh {label}: "
+                + (f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note)
+                + f" ({result.detail}) in {result.plan_s:.1f}s"
+            )
+            planned.append((result, None))
     return planned, skipped
 
 
@@ -100,6 +110,7 @@ def _plan_candidate(
     mesh: MeshCandidate,
     job_config: JobConfig,
     vocab_size: int,
+    pins: Pins | None,
 ) -> CandidateResult:
     pp = degrees["pp"]
     inner = MeshCandidate(*zip(*mesh_dims(**{**degrees, "pp": 1})))
@@ -108,7 +119,7 @@ def _plan_candidate(
     tokens = torch.zeros((microbatch, job_config.training.seq_len), dtype=torch.long)
     io = stage_io(model, pipeline.split, stages, tokens, pp)
     kinds = [_Kind(io[s].first, io[s].last, len(stages.blocks[s])) for s in range(stages.stages)]
-    result = CandidateResult(mesh, detail=stages.describe(short=True))
+    result = CandidateResult(mesh, detail=stages.describe(short=True), schedule=stages.schedule)
     plans: dict[_Kind, Plan] = {}
     for kind in dict.fromkeys(kinds):
         alike = [s for s in range(stages.stages) if kinds[s] == kind]
@@ -116,7 +127,7 @@ def _plan_candidate(
         try:
             part = _stage_module(model, pipeline, stages, alike[0], pp)
             vocab = vocab_size if kind.first else 0
-            plans[kind] = _plan_stage(part, io[alike[0]], held, inner, dp, job_config, vocab)
+            plans[kind] = _plan_stage(part, io[alike[0]], held, inner, dp, job_config, vocab, pins)
         except PlannerError as e:
             result.note = f"stage {alike[0]}: {str(e).splitlines()[0]}"
             return result
@@ -140,9 +151,14 @@ def _plan_candidate(
     result.objective = result.predicted["step_us"]
     gaps = [p.solver.get("gap") for p in plans.values()]
     result.gap = max((g for g in gaps if g is not None), default=None)
+    recompute: Counter[str] = Counter()
+    for kind, plan in plans.items():
+        for policy in plan.recompute.values():
+            recompute[policy] += kinds.count(kind)
     result.detail += (
         f"; bubble {result.predicted['bubble_us'] / 1e3:.2f} ms, sends "
         f"{result.predicted['sends_us'] / 1e3:.2f} ms"
+        + (f"; blocks recomputed: {_counted(recompute)}" if recompute else "")
     )
     return result
 
@@ -163,6 +179,7 @@ def _plan_stage(
     dp: int,
     job_config: JobConfig,
     vocab_size: int,
+    pins: Pins | None,
 ) -> Plan:
     """A stage's module planned as the trainer plans it (`parallelize_auto`) on `inner`,
     for one microbatch over its `dp` data-parallel ranks."""
@@ -170,7 +187,15 @@ def _plan_stage(
     batch = io.inputs[0].shape[0] * dp
     with planner_for_job(part, mesh, job_config, vocab_size, batch, io) as autop:
         add_job_constraints(autop, inner.names, False, job_config, io.stages_per_rank, in_flight)
+        if pins is not None:
+            for name, placements in pins(autop.param_shapes(), inner.names).items():
+                autop.add_parameter_constraint(name, placements)
         return autop.optimize_placement(cache_dir=plan_cache_folder(job_config))
+
+
+def _counted(counts: Counter[str]) -> str:
+    """`60 full, 3 none`."""
+    return ", ".join(f"{n} {what}" for what, n in counts.most_common())
 
 
 def _held_bytes(plan: Plan) -> float:
