@@ -136,6 +136,28 @@ def parse_args(argv=None):
         "or auto (the solver decides per unit under the memory budget); hand-written plans "
         "are priced with default, always and never",
     )
+    ap.add_argument(
+        "--pp",
+        default="1",
+        help="pipeline degree (with --mesh auto): 1, a number, or auto (the trainer's mesh "
+        "search with pipeline stages: each candidate's stages planned on its other dims, the "
+        "schedule's bubble, sends and microbatches in flight priced)",
+    )
+    ap.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipeline schedule (torch.distributed.pipelining's name), or auto: 1F1B or "
+        "Interleaved1F1B, whichever the search prices faster",
+    )
+    ap.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    ap.add_argument(
+        "--hand-written-pipeline",
+        default=None,
+        metavar="PP,DP,TP",
+        help="with --pp: also price this hand-written configuration (FSDP x Megatron TP "
+        "placements pinned in every stage, full activation checkpointing, the --schedule "
+        "given or Interleaved1F1B), e.g. torchtitan's published 405B run: 8,8,8",
+    )
     ap.add_argument("--no-baselines", action="store_true", help="skip the hand-written plans")
     ap.add_argument(
         "--explain",
@@ -543,6 +565,127 @@ def explain(pattern: str, autop, auto, constrain) -> tuple[str, dict]:
     return text, solved
 
 
+def _pipeline_job(a, world: int, batch: int, pp: str, tp: str, schedule: str, ac: str):
+    """The trainer's job config for this dry run (planner spec, cost model, budget)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.manager import ConfigError
+
+    budget = a.memory_gib if a.memory_gib is not None else HBM_GIB[a.device.lower()]
+    argv = {
+        "--job.custom_config_module": "torchtitan.experiments.auto_parallel.job_config",
+        "--model.name": "llama3_auto_parallel",
+        "--model.flavor": a.flavor,
+        "--training.seq_len": a.seq_len,
+        "--training.local_batch_size": 1,
+        "--training.global_batch_size": batch,
+        "--training.mixed_precision_param": "bfloat16"
+        if a.mixed_precision == "bf16"
+        else "float32",
+        "--parallelism.pipeline_parallel_degree": pp,
+        "--parallelism.pipeline_parallel_schedule": schedule,
+        "--parallelism.pipeline_parallel_microbatch_size": a.microbatch_size,
+        "--parallelism.tensor_parallel_degree": tp,
+        "--parallelism.data_parallel_shard_degree": -1,
+        "--parallelism.fsdp_reshard_after_forward": a.reshard,
+        "--activation_checkpoint.mode": ac,
+        "--autoparallel.cost_model": a.device,
+        "--autoparallel.memory_budget_gib": budget,
+        "--autoparallel.solver_time_limit_seconds": a.time_limit,
+        "--autoparallel.solver_proof_limit_seconds": a.proof_limit,
+    }
+    flat = [str(x) for kv in argv.items() for x in kv]
+    try:
+        return ConfigManager().parse_args(
+            [*flat, "--parallelism.disable_loss_parallel", "--autoparallel.no_plan_cache"]
+        )
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
+
+
+def run_pipelined(a) -> int:
+    """`--pp N|auto`: the trainer's mesh search with pipeline stages (mesh_choice.py), in
+    one process on a fake world; with `--hand-written-pipeline`, that configuration priced
+    the same way next to it."""
+    import os
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.autoparallel.mesh_search import choose
+    from torchtitan.config.resolve import pipeline_options
+    from torchtitan.errors import UserInputError
+    from torchtitan.experiments.auto_parallel.mesh_choice import search_job_meshes
+    from torchtitan.experiments.auto_parallel.pipeline_search import plan_pipelined
+    from torchtitan.models.llama3.args import llama3_configs
+    from torchtitan.models.llama3.baseline_plans import fsdp_tp_plan
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    validate(a)
+    if a.mesh != "auto":
+        raise BadInput("--pp goes with --mesh auto --world N (the search lays out the mesh)")
+    if a.microbatch_size <= 0:
+        raise BadInput(f"--microbatch-size must be positive, got {a.microbatch_size}")
+    world, batch = a.world, a.batch if a.batch is not None else a.world
+    os.environ["LOCAL_WORLD_SIZE"] = str(a.gpus_per_node)  # the cost model's node size
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    over = {"max_seq_len": a.seq_len, **({"vocab_size": a.vocab} if a.vocab else {})}
+    if a.layers:
+        over["n_layers"] = a.layers
+    args = dataclasses.replace(llama3_configs[a.flavor], **over)
+    with torch.device("meta"):
+        model = Transformer(args)
+    spec = get_train_spec("llama3_auto_parallel")
+    job = _pipeline_job(a, world, batch, a.pp, "auto", a.schedule, a.recompute)
+    _progress(
+        f"{a.flavor} ({args.n_layers} layers) on world {world}, pp {a.pp}, schedule "
+        f"{a.schedule}, batch {batch} x seq {a.seq_len}, device {a.device}: searching ..."
+    )
+    t0 = time.perf_counter()
+    try:
+        options = pipeline_options(spec, args, job)
+        search, degrees, _ = search_job_meshes(
+            model, args, job, world, batch, args.vocab_size, options
+        )
+    except UserInputError as e:
+        raise BadInput(str(e)) from None
+    search_s = time.perf_counter() - t0
+    print(f"{search.verdict()}\n{search.table()}\nsearch time {search_s:.1f}s")
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mesh_search.json").write_text(search.to_json())
+    if a.hand_written_pipeline:
+        try:
+            pp, dp, tp = (int(x) for x in a.hand_written_pipeline.split(","))
+        except ValueError:
+            raise BadInput(
+                f"--hand-written-pipeline {a.hand_written_pipeline!r}: give PP,DP,TP"
+            ) from None
+        schedule = a.schedule if a.schedule != "auto" else "Interleaved1F1B"
+        hand = _pipeline_job(a, world, batch, str(pp), str(tp), schedule, "full")
+        cand = {"pp": pp, "dp_replicate": 1, "dp_shard": dp, "tp": tp}
+        if pp * dp * tp != world:
+            raise BadInput(
+                f"--hand-written-pipeline {pp},{dp},{tp}: makes {pp * dp * tp} ranks, not {world}"
+            )
+        planned, unsplit = plan_pipelined(
+            model,
+            pipeline_options(spec, args, hand),
+            [cand],
+            hand,
+            batch,
+            args.vocab_size,
+            pins=fsdp_tp_plan,
+        )
+        if unsplit:
+            raise BadInput(f"--hand-written-pipeline: {unsplit[0][1]}")
+        priced = choose(planned)
+        print(f"hand-written FSDP {dp} x TP {tp} x PP {pp}, {schedule}, full AC:\n{priced.table()}")
+        (out / "hand_written_pipeline.json").write_text(priced.to_json())
+    return 0
+
+
 def diff(paths: list[str]) -> int:
     """`--diff A B`: print what differs between two saved plans."""
     from pathlib import Path
@@ -564,6 +707,8 @@ def main(argv=None) -> int:
         a = parse_args(argv)
         if a.diff:
             return diff(a.diff)
+        if a.pp != "1":
+            return run_pipelined(a)
         return run(a)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
