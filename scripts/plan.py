@@ -612,6 +612,7 @@ def run_pipelined(a) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtitan.autoparallel.mesh_search import choose
+    from torchtitan.autoparallel.plan.display import write_html
     from torchtitan.config.resolve import pipeline_options
     from torchtitan.errors import UserInputError
     from torchtitan.experiments.auto_parallel.mesh_choice import search_job_meshes
@@ -643,10 +644,11 @@ def run_pipelined(a) -> int:
         f"{a.schedule}, batch {batch} x seq {a.seq_len}, device {a.device}: searching ..."
     )
     t0 = time.perf_counter()
+    stage_plans: dict = {}  # each pipelined candidate's stage plans, kept for the page
     try:
         options = pipeline_options(spec, args, job)
         search, degrees, _ = search_job_meshes(
-            model, args, job, world, batch, args.vocab_size, options
+            model, args, job, world, batch, args.vocab_size, options, stage_plans
         )
     except UserInputError as e:
         raise BadInput(str(e)) from None
@@ -655,6 +657,21 @@ def run_pipelined(a) -> int:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mesh_search.json").write_text(search.to_json())
+    best = search.best
+    # the chosen pipeline's plan per kind of stage, or the chosen mesh's one plan
+    plans = stage_plans[best.label()] if best.schedule else {"auto": search.plan}
+    first = next(iter(plans.values()))
+    assert first is not None  # the search keeps the chosen candidate's plans
+    write_html(
+        out / "plan.html",
+        plans,
+        first.mesh_dim_names,
+        first.mesh_shape,
+        f"llama3 {a.flavor} on world {world}: {best.label()}"
+        + (f"; {best.detail}" if best.detail else ""),
+        search=search,
+    )
+    print(f"wrote {out / 'mesh_search.json'}, {out / 'plan.html'}")
     if a.hand_written_pipeline:
         try:
             pp, dp, tp = (int(x) for x in a.hand_written_pipeline.split(","))

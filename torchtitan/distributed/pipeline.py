@@ -273,6 +273,13 @@ class StageIO:
     last: bool
     stages_per_rank: int = 1  # a rank's memory is shared by the stages it holds
     in_flight: float = 1.0  # microbatches whose activations the stage holds at its peak
+    stage: int = 0
+    blocks: tuple[int, ...] = ()  # positions of its blocks in the model's container
+
+    def describe(self) -> str:
+        """`stage 1 (blocks 3-5, 2 microbatches in flight)`."""
+        span = f"blocks {self.blocks[0]}-{self.blocks[-1]}" if self.blocks else "no blocks"
+        return f"stage {self.stage} ({span}, {self.in_flight:g} microbatches in flight)"
 
 
 def stage_io(
@@ -311,6 +318,8 @@ def stage_io(
             s == last,
             shape.stages_per_rank,
             shape.in_flight(plan.rank_of(s, pp)),
+            s,
+            tuple(plan.blocks[s]),
         )
         for s, (i, o) in enumerate(zip(ins, outs))
     ]

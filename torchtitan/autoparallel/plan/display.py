@@ -211,6 +211,12 @@ def plan_summary(plan: Plan) -> str:
         f"{pred.get('comm_us', 0) / 1e3:.2f} ms; parameters per rank "
         f"{pred.get('param_fraction', 1.0):.3f} of full"
     )
+    if "in_flight_peak_bytes_per_rank" in pred:
+        lines.append(
+            "  peak memory per rank with the pipeline's microbatches in flight: "
+            f"{pred['in_flight_peak_bytes_per_rank'] / 2**30:.3f} GiB (one microbatch: "
+            f"{pred['peak_bytes_per_rank'] / 2**30:.3f} GiB)"
+        )
     if plan.recompute:
         lines.append(
             f"  recompute: {describe_policies(plan.recompute)} "

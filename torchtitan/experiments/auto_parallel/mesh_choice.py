@@ -160,10 +160,12 @@ def search_job_meshes(
     global_batch: int,
     vocab_size: int,
     pipeline: PipelineOptions | None = None,
+    stage_plans: dict | None = None,
 ) -> tuple[MeshSearch, dict[str, int], AutoParallel | None]:
     """Every candidate planned and the cheapest chosen: the search, the chosen degrees,
     and the planner holding the job's one trace of the whole model (None when every
-    candidate is pipelined)."""
+    candidate is pipelined); `stage_plans` receives the pipelined candidates' stage plans
+    when the search runs in this process (`plan_pipelined`)."""
     parallelism = job_config.parallelism
     cost_model = job_cost_model(planner_settings(job_config).cost_model)
     keep, skipped = candidate_degrees(
@@ -212,7 +214,7 @@ def search_job_meshes(
         if piped:
             assert pipeline is not None
             more, unsplit = plan_pipelined(
-                model, pipeline, piped, job_config, global_batch, vocab_size
+                model, pipeline, piped, job_config, global_batch, vocab_size, None, stage_plans
             )
             planned += more
             not_planned += unsplit

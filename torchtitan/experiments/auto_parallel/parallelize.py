@@ -318,7 +318,10 @@ def _parallelize(
             parallel_model = autop.apply_placement(plan)
             layout = autop.cost_model.node_layout(mesh.shape, names)
         elapsed = time.perf_counter() - start
-        logger.info(f"auto-parallel planning took {elapsed:.1f}s; {layout}\n{plan_summary(plan)}")
+        what = f" of pipeline {stage.describe()}" if stage is not None else ""
+        logger.info(
+            f"auto-parallel planning{what} took {elapsed:.1f}s; {layout}\n{plan_summary(plan)}"
+        )
 
     if job_config.compile.enable and "model" in job_config.compile.components:
         # One graph for the whole model: its collectives are what inductor's comms

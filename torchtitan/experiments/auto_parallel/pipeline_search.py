@@ -71,11 +71,13 @@ def plan_pipelined(
     global_batch: int,
     vocab_size: int,
     pins: Pins | None = None,
+    stage_plans: dict[str, dict[str, Plan]] | None = None,
 ) -> tuple[list[tuple[CandidateResult, Plan | None]], list[tuple[str, str]]]:
     """Each pipelined candidate's result under each schedule to try (no plan is kept: the
     trainer plans its stages once it runs them), and [(label, why not planned)] for those
     whose stages cannot split as the job asks.  `pins` (parameter shapes, mesh dim names
-    -> placements) pins each stage's parameters, to price a hand-written configuration."""
+    -> placements) pins each stage's parameters, to price a hand-written configuration;
+    `stage_plans` receives each candidate's stage plans ({candidate label: {stages: plan}})."""
     planned: list[tuple[CandidateResult, Plan | None]] = []
     skipped: list[tuple[str, str]] = []
     for degrees in candidates:
@@ -89,9 +91,11 @@ def plan_pipelined(
                 skipped.append((label, str(e)))
                 continue
             t0 = time.perf_counter()
-            result = _plan_candidate(
+            result, plans = _plan_candidate(
                 model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins
             )
+            if stage_plans is not None:
+                stage_plans[result.label()] = plans
             result.plan_s = time.perf_counter() - t0
             logger.info(
                 f"mesh {label}: "
@@ -111,7 +115,8 @@ def _plan_candidate(
     job_config: JobConfig,
     vocab_size: int,
     pins: Pins | None,
-) -> CandidateResult:
+) -> tuple[CandidateResult, dict[str, Plan]]:
+    """The candidate's result, and its stages' plans by the stages they stand for."""
     pp = degrees["pp"]
     inner = MeshCandidate(*zip(*mesh_dims(**{**degrees, "pp": 1})))
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
@@ -130,7 +135,7 @@ def _plan_candidate(
             plans[kind] = _plan_stage(part, io[alike[0]], held, inner, dp, job_config, vocab, pins)
         except PlannerError as e:
             result.note = f"stage {alike[0]}: {str(e).splitlines()[0]}"
-            return result
+            return result, {}
     rank_stages = [stages.stages_of(r, pp) for r in range(pp)]
     rank_us = [sum(plans[kinds[s]].predicted["step_us"] for s in ss) for ss in rank_stages]
     comm_us = [sum(plans[kinds[s]].predicted["exposed_comm_us"] for s in ss) for ss in rank_stages]
@@ -160,7 +165,11 @@ def _plan_candidate(
         f"{result.predicted['sends_us'] / 1e3:.2f} ms"
         + (f"; blocks recomputed: {_counted(recompute)}" if recompute else "")
     )
-    return result
+    by_stages = {}
+    for kind, plan in plans.items():
+        alike = [s for s in range(stages.stages) if kinds[s] == kind]
+        by_stages[f"stages {', '.join(map(str, alike))} ({kind.blocks} blocks each)"] = plan
+    return result, by_stages
 
 
 def _stage_module(
