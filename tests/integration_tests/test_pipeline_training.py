@@ -186,8 +186,15 @@ def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
             "pipelined (its spec names no pipeline split); use llama3 or llama3_auto_parallel, "
             "or pipeline_parallel_degree 1",
         ),
+        (
+            ["--parallelism.pipeline_parallel_schedule", "auto"],
+            "--parallelism.pipeline_parallel_schedule auto: the mesh search chooses it, and it "
+            "runs when a degree is auto (e.g. --parallelism.pipeline_parallel_degree auto); "
+            "give one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+            "ZBVZeroBubble",
+        ),
     ],
-    ids=["schedule", "microbatch", "layers", "split-points", "no-split"],
+    ids=["schedule", "microbatch", "layers", "split-points", "no-split", "schedule-auto"],
 )
 def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
     given = dict(zip(args[::2], args[1::2]))
