@@ -197,7 +197,8 @@ def _plan_stage(
     with planner_for_job(part, mesh, job_config, vocab_size, batch, io) as autop:
         add_job_constraints(autop, inner.names, False, job_config, io.stages_per_rank, in_flight)
         if pins is not None:
-            for name, placements in pins(autop.param_shapes(), inner.names).items():
+            shapes = {f: tuple(s) for f, s in autop.param_shapes().items()}
+            for name, placements in pins(shapes, inner.names).items():
                 autop.add_parameter_constraint(name, placements)
         return autop.optimize_placement(cache_dir=plan_cache_folder(job_config))
 
