@@ -104,8 +104,8 @@ def test_two_pipeline_stages_on_a_rank_share_its_budget():
 @pytest.mark.usefixtures("module_fake_world")
 def test_a_stage_plan_fits_with_the_microbatches_its_schedule_keeps_in_flight():
     """The replicated plan fits one microbatch's activations; with four in flight (a first
-    1F1B stage of four) the extra three do not fit beside it, so the plan is solved again
-    under a budget lowered by them, and fits with all four."""
+    1F1B stage of four) the extra three do not fit beside it, so the solver, whose memory
+    rows hold them, shards and fits with all four."""
     free = _plan()
     one, saved = (
         free.predicted["peak_bytes_per_rank"],
@@ -130,7 +130,7 @@ def test_microbatches_in_flight_no_plan_can_hold_are_one_line():
     with pytest.raises(InfeasiblePlanError) as e:
         _plan("--autoparallel.memory_budget_gib", str(budget / 2**30), in_flight=100)
     assert "(100 microbatches' activations in flight)" in str(e.value)
-    assert "GiB more for each other one in flight" in str(e.value)
+    assert "the least memory any plan needs under the other constraints is" in str(e.value)
 
 
 @pytest.mark.usefixtures("module_fake_world")

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from .cost.model import CostModel, resolve_cost_model
-from .errors import ConstraintError, InfeasiblePlanError, PlannerError
+from .errors import ConstraintError, PlannerError
 from .execute.apply import build_parallel_module, lowered_executor
 from .graph.placements import parse as parse_placements
 from .plan.cache import cached_or_solved
@@ -64,9 +64,6 @@ from .trace.joint import check_on_meta, trace_joint
 from .trace.planning import PlanningTrace
 
 log = logging.getLogger(__name__)
-
-# solves at most, lowering the budget each time, to fit a plan with microbatches in flight
-IN_FLIGHT_SOLVES = 6
 
 
 def _is_multirank() -> bool:
@@ -294,7 +291,7 @@ class AutoParallel:
         """Bound predicted bytes per rank: parameters + gradients + AdamW state (2 fp32 per
         element) + saved activations (forward tensors the backward reads), see cost/memory.py.
         A pipeline stage holds `in_flight` microbatches' saved activations at once: the
-        plan must fit with that many (`_solve`)."""
+        plan must fit with that many."""
         self._require_entered()
         self._replace(MemoryBudget, memory_budget(bytes_per_rank, in_flight))
 
@@ -420,43 +417,19 @@ class AutoParallel:
         return self.mesh._flatten().get_group()
 
     def _solve(self, problem: PlanningProblem, verbose: bool) -> Plan:
-        """The solver's plan.  Under a budget with several microbatches in flight (the
-        memory model counts one microbatch's activations), the plan's peak plus the other
-        microbatches' saved activations must fit: while it does not, solved again under a
-        budget lowered by what the last plan needed beyond it."""
-        budget = next((c for c in problem.constraints if isinstance(c, MemoryBudget)), None)
-        plan = self._solve_once(problem, verbose)
-        if budget is None or budget.in_flight <= 1:
-            return plan
-        others = tuple(c for c in problem.constraints if c is not budget)
-        limit = budget.bytes_per_rank
-        for attempt in range(IN_FLIGHT_SOLVES):
-            p = plan.predicted
-            held = (
-                p["peak_bytes_per_rank"]
-                + (budget.in_flight - 1) * p["saved_at_boundary_bytes_per_rank"]
-            )
-            p["in_flight_peak_bytes_per_rank"] = held
-            if held <= budget.bytes_per_rank:
-                return plan
-            limit -= held - budget.bytes_per_rank
-            if limit <= 0 or attempt == IN_FLIGHT_SOLVES - 1:
-                break
-            lower = dataclasses.replace(budget, bytes_per_rank=limit)
-            plan = self._solve_once(
-                dataclasses.replace(problem, constraints=(*others, lower)), verbose
-            )
-        raise InfeasiblePlanError(
-            f"constraints cannot all hold: {budget.name}: the plan needs "
-            f"{plan.predicted['peak_bytes_per_rank'] / 2**30:.4g} GiB per rank for one "
-            f"microbatch and {plan.predicted['saved_at_boundary_bytes_per_rank'] / 2**30:.4g} "
-            "GiB more for each other one in flight"
-        )
-
-    def _solve_once(self, problem: PlanningProblem, verbose: bool) -> Plan:
+        """The solver's plan; under a budget with microbatches in flight, its predicted
+        figures also hold the peak with them (the solver's memory rows count the other
+        microbatches' saved values: program.memory_rows)."""
         sol = PlacementSolver(problem).solve(verbose)
         self.timings["build"], self.timings["solve"] = sol.build_s, sol.solve_s
         plan = solution_to_plan(problem, sol, self.timings)
+        budget = next((c for c in problem.constraints if isinstance(c, MemoryBudget)), None)
+        if budget is not None and budget.in_flight > 1:
+            p = plan.predicted
+            p["in_flight_peak_bytes_per_rank"] = (
+                p["peak_bytes_per_rank"]
+                + (budget.in_flight - 1) * p["saved_at_boundary_bytes_per_rank"]
+            )
         log.info("plan:\n%s", plan_table(plan))
         return plan
 

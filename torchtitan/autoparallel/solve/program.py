@@ -27,6 +27,7 @@ from typing import Any
 import highspy
 import torch.fx as fx
 
+from ..cost.liveness import BOUNDARY
 from ..cost.memory import MemoryTerm, copy_fraction, memory_rows, param_chains, term_fraction
 from ..errors import ConstraintError
 from ..graph import placements as P
@@ -370,48 +371,62 @@ class PlacementProgram:
         )
 
     def add_memory_budget(self, c: MemoryBudget) -> None:
-        """Every candidate peak (memory.py) at most the budget: row / budget <= 1."""
-        for terms in self.memory_rows(c.bytes_per_rank):
+        """Every candidate peak (memory.py) at most the budget: row / budget <= 1; with
+        microbatches in flight (a pipeline stage), each row also holds the other
+        microbatches' saved activations (the boundary's saved values, `in_flight - 1` times)."""
+        for terms in self.memory_rows(c.bytes_per_rank, c.in_flight):
             self.m.row(terms, -highspy.kHighsInf, 1.0)
 
-    def memory_rows(self, scale: float) -> list[list[tuple[int, float]]]:
+    def memory_rows(self, scale: float, in_flight: float = 1.0) -> list[list[tuple[int, float]]]:
         """The memory model's rows (memory.py: params, grads, optimizer state, the
         activations alive at each candidate peak) in units of `scale` bytes, so the
-        coefficients are O(1).  A copy held on an edge counts only if that edge
-        redistributes (through a hub on both steps: an upper bound)."""
-        table, rc = self.table, self.recompute
+        coefficients are O(1), each with `in_flight - 1` more microbatches' saved values.
+        A copy held on an edge counts only if that edge redistributes (through a hub on both
+        steps: an upper bound)."""
+        rc = self.recompute
         options = rc.options if rc.active else ("none",)
-        out = []
-        for row in memory_rows(self.tg, table, options, self.regather.setting):
-            terms: list[tuple[int, float]] = []
-            copies: set = set()
-            for e in row.entries:
-                t = e.term
-                if self.regather.decides(e):
-                    if t.kind != "copy" or (t.key, e.regathered) not in copies:
-                        copies.add((t.key, e.regathered))
-                        self.regather.add_entry(e, e.weight / scale, terms)
-                    continue
-                if t.kind == "copy":
-                    if t.key in copies:
-                        continue
-                    copies.add(t.key)
-                    if e.block is None:
-                        mult = e.weight
-                    else:
-                        mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
-                    if mult:
-                        self._copy_terms(t, mult / scale, terms)
-                    continue
-                for s in range(len(self.xvars[t.node])):
-                    frac = term_fraction(t, table, s)
-                    if not frac:
-                        continue
-                    col, mult = rc.entry_column(e, s)
-                    if mult:
-                        terms.append((col, t.full_bytes * frac * mult / scale))
-            out.append(terms)
+        rows = memory_rows(self.tg, self.table, options, self.regather.setting)
+        out = [self._row_terms(row.entries, 1.0 / scale) for row in rows]
+        if in_flight > 1:
+            boundary = next(row for row in rows if row.where == BOUNDARY)
+            saved = [
+                e for e in boundary.entries if e.saved and e.term.kind not in ("param", "grad")
+            ]
+            held = self._row_terms(saved, (in_flight - 1) / scale)
+            out = [terms + held for terms in out]
         return out
+
+    def _row_terms(self, entries: list, coef: float) -> list[tuple[int, float]]:
+        """One row's entries as (column, bytes x `coef`) terms."""
+        table, rc = self.table, self.recompute
+        terms: list[tuple[int, float]] = []
+        copies: set = set()
+        for e in entries:
+            t = e.term
+            if self.regather.decides(e):
+                if t.kind != "copy" or (t.key, e.regathered) not in copies:
+                    copies.add((t.key, e.regathered))
+                    self.regather.add_entry(e, e.weight * coef, terms)
+                continue
+            if t.kind == "copy":
+                if t.key in copies:
+                    continue
+                copies.add(t.key)
+                if e.block is None:
+                    mult = e.weight
+                else:
+                    mult = self.weight(t.node) if rc.auto else e.multiplier(rc.pins)
+                if mult:
+                    self._copy_terms(t, mult * coef, terms)
+                continue
+            for s in range(len(self.xvars[t.node])):
+                frac = term_fraction(t, table, s)
+                if not frac:
+                    continue
+                col, mult = rc.entry_column(e, s)
+                if mult:
+                    terms.append((col, t.full_bytes * frac * mult * coef))
+        return terms
 
     def _copy_terms(self, t: MemoryTerm, coef: float, terms: list) -> None:
         table = self.table

@@ -82,7 +82,7 @@ class PlacementSolver:
             others: list[UserConstraint] = [
                 c for c in constraints if not isinstance(c, MemoryBudget)
             ]
-            need = self.minimum_memory(others, time_limit, rep)
+            need = self.minimum_memory(others, time_limit, rep, budgets[0].in_flight)
             if need is not None:
                 names += (
                     f" (the least memory any plan needs under the other constraints is "
@@ -91,16 +91,21 @@ class PlacementSolver:
         raise InfeasiblePlanError(f"constraints cannot all hold: {names}")
 
     def minimum_memory(
-        self, constraints: list[UserConstraint], time_limit: float, rep: Rep
+        self,
+        constraints: list[UserConstraint],
+        time_limit: float,
+        rep: Rep,
+        in_flight: float = 1.0,
     ) -> float | None:
         """The smallest predicted bytes per rank of any plan under `constraints` (no memory
-        budget among them): the same program with the memory row as its objective."""
+        budget among them), with `in_flight` microbatches' saved activations: the same
+        program with the memory rows as its objective."""
         program = self._build(constraints, rep)
         m = program.m
         m.cost = [0.0] * len(m.cost)
         peak = m.var(1.0, 0.0, highspy.kHighsInf)  # GiB; peak >= every row
         m.unfixable.add(peak)
-        for terms in program.memory_rows(2.0**30):
+        for terms in program.memory_rows(2.0**30, in_flight):
             m.row(terms + [(peak, -1.0)], -highspy.kHighsInf, 0.0)
         status, values, obj, _how, _gap = m.solve(time_limit, False)
         if values is None or obj is None:
