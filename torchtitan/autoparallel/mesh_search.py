@@ -152,8 +152,10 @@ class MeshSearch:
         ties = ", ".join(self.results[i].label() for i in self.tied)
         if margin is None:
             proof = f"tied with {ties}" if ties else "the only candidate"
-        elif math.isinf(margin):
+        elif margin == math.inf:
             proof = "the only one with a plan"
+        elif margin == -math.inf:
+            proof = "best found; a solve of another candidate proved no bound"
         elif margin >= 0:
             proof = f"proven best: every other mesh's plans are at least {margin:.2%} slower"
         else:
