@@ -18,12 +18,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from torchtitan.autoparallel import DEVICES, AutoParallel, CostModel, LinkSpec, PlannerError
+from torchtitan.autoparallel import DEVICES, AutoParallel, CostModel, LinkSpec, Plan, PlannerError
 from torchtitan.autoparallel.mesh_search import (
     CandidateResult,
     MeshCandidate,
     MeshSearch,
     factorisations,
+    proven_gap,
     search_meshes,
 )
 from torchtitan.config.job_config import Parallelism
@@ -348,6 +349,10 @@ def test_verdict_and_table():
     # no proven gap: nothing is certified
     unknown = MeshSearch(8, [_result(DP8, 5000.0, None), _result(DP4_TP2, 1000.0, 0.0)], chosen=1)
     assert unknown.proven_margin == pytest.approx(-1.0)
+    # a solve that proved no bound (HiGHS' infinite gap) counts as no proven gap
+    plan = Plan([8], ["dp"], {}, {}, {}, [], [], {}, solver={"gap": math.inf})
+    assert proven_gap(plan) is None
+    assert proven_gap(Plan([8], ["dp"], {}, {}, {}, [], [], {}, solver={"gap": 0.02})) == 0.02
     # a tie (two meshes with the same plan cost) is named, and the rest still certified
     tie = MeshSearch(
         8,

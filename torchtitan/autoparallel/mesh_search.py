@@ -154,8 +154,6 @@ class MeshSearch:
             proof = f"tied with {ties}" if ties else "the only candidate"
         elif margin == math.inf:
             proof = "the only one with a plan"
-        elif margin == -math.inf:
-            proof = "best found; a solve of another candidate proved no bound"
         elif margin >= 0:
             proof = f"proven best: every other mesh's plans are at least {margin:.2%} slower"
         else:
@@ -205,6 +203,12 @@ class MeshSearch:
         plan = data.get("plan")
         plan = Plan.from_json(json.dumps(plan)) if plan is not None else None
         return cls(data["world"], results, data["chosen"], skipped, plan)
+
+
+def proven_gap(plan: Plan) -> float | None:
+    """The relative gap the plan's solve proved, None when it proved none (no bound)."""
+    gap = plan.solver.get("gap")
+    return gap if gap is not None and math.isfinite(gap) else None
 
 
 def factorisations(world: int, dims: Sequence[tuple[str, int | None]]) -> list[dict[str, int]]:
@@ -276,7 +280,7 @@ def plan_candidates(
             constrain(sub, cand)
             plan = sub.optimize_placement(cache_dir=cache_dir)
             result.predicted = dict(plan.predicted)
-            result.gap = plan.solver.get("gap")
+            result.gap = proven_gap(plan)
             result.objective = plan.solver.get("objective")
         except PlannerError as e:  # infeasible under the budget, or a pin that cannot hold
             result.note = str(e).splitlines()[0] if str(e) else type(e).__name__

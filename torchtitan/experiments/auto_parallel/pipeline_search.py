@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchtitan.autoparallel.errors import PlannerError
-from torchtitan.autoparallel.mesh_search import CandidateResult, MeshCandidate
+from torchtitan.autoparallel.mesh_search import CandidateResult, MeshCandidate, proven_gap
 from torchtitan.autoparallel.plan.plan import Plan
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import mesh_dims
@@ -154,8 +154,8 @@ def _plan_candidate(
         "microbatches": float(shape.microbatches),
     }
     result.objective = result.predicted["step_us"]
-    gaps = [p.solver.get("gap") for p in plans.values()]
-    result.gap = max((g for g in gaps if g is not None), default=None)
+    gaps = [proven_gap(p) for p in plans.values()]
+    result.gap = None if None in gaps else max(gaps, default=None)
     recompute: Counter[str] = Counter()
     for kind, plan in plans.items():
         for policy in plan.recompute.values():
