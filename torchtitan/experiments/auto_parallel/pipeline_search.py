@@ -155,7 +155,8 @@ def _plan_candidate(
     }
     result.objective = result.predicted["step_us"]
     gaps = [proven_gap(p) for p in plans.values()]
-    result.gap = None if None in gaps else max(gaps, default=None)
+    known = [g for g in gaps if g is not None]
+    result.gap = max(known) if known and len(known) == len(gaps) else None
     recompute: Counter[str] = Counter()
     for kind, plan in plans.items():
         for policy in plan.recompute.values():
