@@ -85,6 +85,7 @@ def _solve(
         (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
         (["--mesh", "8,8", "--nodes", "4"], "--mesh 8,8 has 64 ranks, but --nodes 4 x"),
         (["--mesh", "auto", "--world", "8", "--nodes", "2"], "--world 8 is not --nodes 2 x"),
+        (["--mesh", "2,2", "--pp", "2"], "--pp goes with --mesh auto --world N"),
         (
             [
                 "--mesh",
@@ -158,6 +159,25 @@ def test_plan_script_small_mesh(tmp_path):
     # the automatic plan is never predicted slower than a hand-written one (it could pick it)
     auto = plan["predicted"]["step_us"]
     assert auto <= min(b["predicted"]["step_us"] for b in base.values()) * 1.001
+
+
+def test_plan_script_pipelined_search(tmp_path):
+    """--pp 2 --world 4: both pipelined meshes planned stage by stage, priced with the
+    schedule's bubble and sends; the page shows the chosen pipeline's stage plans."""
+    cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), "--flavor", "debugmodel"]
+    cmd += ["--layers", "4", "--vocab", "512", "--mesh", "auto", "--world", "4", "--pp", "2"]
+    cmd += ["--seq-len", "32", "--device", "h100", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for mesh in ("pp 2 x tp 2, 1F1B", "pp 2 x dp_shard 2, 1F1B"):
+        assert f"   {mesh}: 2 stages of 2/2 blocks" in r.stdout, r.stdout
+    assert "mesh search (world 4, 2 candidates): pp 2 x " in r.stdout
+    search = json.loads((tmp_path / "mesh_search.json").read_text())
+    assert {res["schedule"] for res in search["results"]} == {"1F1B"}
+    assert all(res["predicted"]["bubble_us"] > 0 for res in search["results"])
+    html = (tmp_path / "plan.html").read_text()
+    assert "<h2>stage 0 (2 blocks)</h2>" in html and "<h2>stage 1 (2 blocks)</h2>" in html
 
 
 def test_plan_script_mesh_auto(tmp_path):

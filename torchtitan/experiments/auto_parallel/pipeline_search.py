@@ -169,7 +169,9 @@ def _plan_candidate(
     by_stages = {}
     for kind, plan in plans.items():
         alike = [s for s in range(stages.stages) if kinds[s] == kind]
-        by_stages[f"stages {', '.join(map(str, alike))} ({kind.blocks} blocks each)"] = plan
+        which = f"stage {alike[0]}" if len(alike) == 1 else f"stages {', '.join(map(str, alike))}"
+        each = " each" if len(alike) > 1 else ""
+        by_stages[f"{which} ({kind.blocks} blocks{each})"] = plan
     return result, by_stages
 
 
