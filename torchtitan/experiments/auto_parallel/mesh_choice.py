@@ -32,6 +32,7 @@ from torchtitan.autoparallel.mesh_search import (
 )
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import (
+    ParallelismConfigError,
     expert_parallel_candidates,
     mesh_dims,
     open_degrees,
@@ -120,6 +121,42 @@ def with_expert_parallel(
     return out, skipped
 
 
+def _job_candidates(
+    model_args: BaseModelArgs,
+    job_config: JobConfig,
+    world_size: int,
+    global_batch: int,
+    can_pipeline: bool,
+) -> tuple[list[dict[str, int]], list[dict[str, int]], list[tuple[dict[str, int], str]]]:
+    """The job's candidate degrees without and with pipeline stages, and those ruled out
+    with the reason; a `ParallelismConfigError` when none is left."""
+    parallelism = job_config.parallelism
+    cost_model = job_cost_model(planner_settings(job_config).cost_model)
+    keep, skipped = candidate_degrees(
+        parallelism,
+        world_size,
+        global_batch,
+        model_args.tensor_parallel_sizes(),
+        job_config.training.seq_len,
+        cost_model.gpus_per_node if cost_model.tp_within_node else None,
+    )
+    keep, no_ep = with_expert_parallel(
+        keep, parallelism.expert_parallel_degree, model_args.routed_experts()
+    )
+    skipped += no_ep
+    flat = [d for d in keep if d["pp"] == 1]
+    piped = [d for d in keep if d["pp"] > 1]
+    if piped and not can_pipeline:
+        skipped += [(d, "the spec cannot pipeline this model") for d in piped]
+        piped = []
+    if not flat and not piped:
+        why = "; ".join(f"{_label(d)}: {reason}" for d, reason in skipped) or "none"
+        raise ParallelismConfigError(
+            f"mesh search: no mesh of world {world_size} suits this model ({why})"
+        )
+    return flat, piped, skipped
+
+
 def _label(degrees: dict[str, int]) -> str:
     return MeshCandidate(*zip(*mesh_dims(**degrees))).label()
 
@@ -167,31 +204,9 @@ def search_job_meshes(
     candidate is pipelined); `stage_plans` receives the pipelined candidates' stage plans
     when the search runs in this process (`plan_pipelined`)."""
     parallelism = job_config.parallelism
-    cost_model = job_cost_model(planner_settings(job_config).cost_model)
-    keep, skipped = candidate_degrees(
-        parallelism,
-        world_size,
-        global_batch,
-        model_args.tensor_parallel_sizes(),
-        job_config.training.seq_len,
-        cost_model.gpus_per_node if cost_model.tp_within_node else None,
+    flat, piped, skipped = _job_candidates(
+        model_args, job_config, world_size, global_batch, pipeline is not None
     )
-    keep, no_ep = with_expert_parallel(
-        keep, parallelism.expert_parallel_degree, model_args.routed_experts()
-    )
-    skipped += no_ep
-    flat = [d for d in keep if d["pp"] == 1]
-    piped = [d for d in keep if d["pp"] > 1]
-    if piped and pipeline is None:
-        skipped += [(d, "the spec cannot pipeline this model") for d in piped]
-        piped = []
-    if not flat and not piped:
-        from torchtitan.distributed.parallel_dims import ParallelismConfigError
-
-        why = "; ".join(f"{_label(d)}: {reason}" for d, reason in skipped) or "none"
-        raise ParallelismConfigError(
-            f"mesh search: no mesh of world {world_size} suits this model ({why})"
-        )
     by_mesh = {MeshCandidate(*zip(*mesh_dims(**d))): d for d in [*flat, *piped]}
     planner = None
 
