@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.distributed.pipeline import PipelineSplit, StageCosts, plan_stages, split_stages
+from torchtitan.distributed.pipeline import (
+    PipelineSplit,
+    StageCosts,
+    StageMemory,
+    plan_stages,
+    split_stages,
+)
 from torchtitan.errors import UserInputError
 from torchtitan.exact_init import exact_sharded_init
 from torchtitan.models.llama3 import Transformer, llama3_configs
@@ -157,16 +163,78 @@ def test_llama3_auto_parallel_gives_the_8B_output_layer_its_weight():
     from torchtitan.config.job_config import JobConfig
     from torchtitan.config.resolve import pipeline_plan
     from torchtitan.experiments.auto_parallel import get_train_spec
+    from torchtitan.experiments.auto_parallel.job_config import AutoParallelConfig
 
     spec = get_train_spec()
     job = JobConfig()
     job.model.name, job.model.flavor = spec.name, "8B"
     job.training.seq_len, job.training.local_batch_size = 2048, 8
     job.parallelism.pipeline_parallel_schedule = "1F1B"
-    plan = pipeline_plan(spec, spec.flavors["8B"], job, 8)
+    job.autoparallel = AutoParallelConfig(memory_budget_gib=80)  # type: ignore[attr-defined]
+    plan = pipeline_plan(spec, spec.flavors["8B"], job, 8, stage_ranks=8)
     costs = plan.costs
     assert costs is not None and costs.first < 0.5 * costs.block < costs.block < costs.last
+    memory = costs.memory  # bf16 compute, fp32 parameters + gradients + AdamW's two states
+    assert memory is not None and memory.budget_bytes == 80 * GIB and memory.stage_ranks == 8
+    with torch.device("meta"):
+        block = Transformer(spec.flavors["8B"]).layers["0"]
+    block_params = sum(p.numel() for p in block.parameters())
+    assert memory.state[1] == block_params * 16
+    assert 0.1 * GIB < memory.saved[1] < 2 * GIB  # a block's activations at seq 2048, microbatch 1
+    assert "and by memory: a block's state 3.25 GiB over 8 rank(s)" in plan.describe()
     sizes = [len(b) for b in plan.blocks]
     assert sum(sizes) == 32 and sizes[-1] < 4 and sizes != [4] * 8
     even = plan_stages(32, 8, "1F1B", None, 8, 1, "llama3 8B")
     assert max(_stage_times(plan, costs)) < max(_stage_times(even, costs))
+
+
+GIB = 2**30
+
+
+def _memory_costs(state=(0.0, 0.0, 0.0), saved=(0.0, 0.0, 0.0), budget_gib=16.0) -> StageCosts:
+    """Blocks of 1 µs each, nothing around them; memory in GiB per part."""
+    gib = tuple(x * GIB for x in state), tuple(x * GIB for x in saved)
+    return StageCosts(0.0, 1.0, 0.0, StageMemory(*gib, budget_bytes=budget_gib * GIB))
+
+
+def _slowest(plan, costs: StageCosts) -> float:
+    """The slowest stage's time with the recomputation its memory forces (as the split
+    prices it)."""
+    from torchtitan.distributed.pipeline import _StageCost
+
+    shape = plan.shape(4)
+    return max(
+        _StageCost(costs, s, plan.stages, shape.in_flight(plan.rank_of(s, 4)), 1)(len(b))[0]
+        for s, b in enumerate(plan.blocks)
+    )
+
+
+def test_1f1b_gives_its_first_stages_fewer_blocks_when_their_microbatches_do_not_fit():
+    """1F1B on 4 ranks, 8 microbatches: stage r holds 4 - r microbatches' activations.  A
+    block saves 1 GiB per microbatch and a rank has 16: the even split's first stage holds
+    32 GiB and must recompute half of it; moving a block from the first stage to the last is
+    cheaper than that recomputation, so the memory-aware split does it."""
+    costs = _memory_costs(saved=(0, 1, 0))
+    plan = plan_stages(32, 4, "1F1B", None, 8, 1, "m", costs=costs)
+    even = plan_stages(32, 4, "1F1B", None, 8, 1, "m")
+    sizes = [len(b) for b in plan.blocks]
+    assert sum(sizes) == 32 and sizes[0] < 8 < sizes[-1]
+    assert _slowest(plan, costs) < _slowest(even, costs)
+    assert "1 GiB saved per microbatch" not in plan.describe()  # MiB, as it prints them
+    assert "1024 MiB saved per microbatch, 16 GiB per rank" in plan.describe()
+    # with room for every microbatch, the cut is the even one
+    roomy_costs = _memory_costs(saved=(0, 1, 0), budget_gib=40)
+    roomy = plan_stages(32, 4, "1F1B", None, 8, 1, "m", costs=roomy_costs)
+    assert [len(b) for b in roomy.blocks] == [8] * 4
+
+
+def test_a_stage_whose_state_does_not_fit_gives_its_blocks_away():
+    """The first modules hold 4 GiB of state and a block 1 GiB, in a 10 GiB rank: the first
+    stage has room for 6 blocks, the others share the rest; where no split fits at all, the
+    cut balances time alone (the stage's own plan then reports the overflow)."""
+    costs = _memory_costs(state=(4, 1, 0), budget_gib=10)
+    plan = plan_stages(32, 4, "GPipe", None, 8, 1, "m", costs=costs)
+    assert [len(b) for b in plan.blocks] == [6, 9, 9, 8]
+    hopeless = _memory_costs(state=(4, 1, 0), budget_gib=4.5)
+    plan = plan_stages(32, 4, "GPipe", None, 8, 1, "m", costs=hopeless)
+    assert [len(b) for b in plan.blocks] == [8] * 4

@@ -126,9 +126,10 @@ def check_expert_parallel(model_args: BaseModelArgs, ep: int, model: str) -> Non
 
 
 def pipeline_plan(
-    spec: TrainSpec, model_args: BaseModelArgs, job_config: JobConfig, pp: int
+    spec: TrainSpec, model_args: BaseModelArgs, job_config: JobConfig, pp: int, stage_ranks: int
 ) -> StagePlan:
-    """The pipeline stages of this job (`pp` > 1), or a `UserInputError` naming the option:
+    """The pipeline stages of this job (`pp` > 1, each stage shared by `stage_ranks` ranks),
+    or a `UserInputError` naming the option:
     a spec that cannot pipeline, blocks or microbatches that do not split as asked, a
     schedule torch does not have."""
     p = job_config.parallelism
@@ -151,7 +152,7 @@ def pipeline_plan(
     costs = None
     if spec.stage_costs_fn is not None and not split_points:
         if p.pipeline_parallel_layers_per_stage is None:
-            costs = spec.stage_costs_fn(model, job_config)
+            costs = spec.stage_costs_fn(model, job_config, stage_ranks)
     return plan_stages(
         blocks,
         pp,
@@ -272,12 +273,12 @@ def pipeline_options(
     p = job_config.parallelism
     schedules = AUTO_SCHEDULES if p.pipeline_parallel_schedule == AUTO else None
 
-    def stages_for(pp: int, local_batch: int, schedule: str) -> StagePlan:
+    def stages_for(degrees: dict[str, int], local_batch: int, schedule: str) -> StagePlan:
         run = copy.deepcopy(job_config)
-        run.parallelism.pipeline_parallel_degree = pp
         run.parallelism.pipeline_parallel_schedule = schedule
         run.training.local_batch_size = local_batch
-        return pipeline_plan(spec, model_args, run, pp)
+        stage_ranks = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+        return pipeline_plan(spec, model_args, run, degrees["pp"], stage_ranks)
 
     return PipelineOptions(
         spec.pipeline_split, stages_for, schedules or (p.pipeline_parallel_schedule,)
@@ -323,7 +324,9 @@ def resolve(
         setattr(run.parallelism, option, getattr(dims, name))
     run.parallelism.expert_parallel_degree = dims.ep
     check_expert_parallel(model_args, dims.ep, f"{job_config.model.name} {job_config.model.flavor}")
-    stage_plan = pipeline_plan(spec, model_args, run, dims.pp) if dims.pp > 1 else None
+    stage_plan = None
+    if dims.pp > 1:
+        stage_plan = pipeline_plan(spec, model_args, run, dims.pp, world_size // dims.pp)
     if spec.check_parallelism_fn is not None:
         spec.check_parallelism_fn(model_args, dims, run)
     steps = grad_accumulation_steps(run.training, dims.dp_degree)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -62,13 +63,28 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """What a stage must hold, per part of the model (the modules before the blocks, one
+    block, the modules after them), in bytes: its training state (parameters, gradients,
+    optimizer state), and what it saves for backward per microbatch; and the memory of a
+    rank (`budget_bytes`) and how many ranks share a stage (`stage_ranks`: its state can be
+    sharded over them, no further)."""
+
+    state: tuple[float, float, float]
+    saved: tuple[float, float, float]
+    budget_bytes: float
+    stage_ranks: int = 1
+
+
+@dataclass(frozen=True)
 class StageCosts:
-    """Predicted time of a model's parts (µs): the modules before the blocks, one block,
-    the modules after them."""
+    """Predicted time of a model's parts (µs per microbatch): the modules before the
+    blocks, one block, the modules after them; and, when known, their memory."""
 
     first: float
     block: float
     last: float
+    memory: StageMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +110,16 @@ class StagePlan:
             c = self.costs
             text += (
                 f" (cut by predicted time per microbatch: first modules {c.first / 1e3:.2f} "
-                f"ms, a block {c.block / 1e3:.2f} ms, last modules {c.last / 1e3:.2f} ms)"
+                f"ms, a block {c.block / 1e3:.2f} ms, last modules {c.last / 1e3:.2f} ms"
             )
+            if c.memory is not None:
+                m = c.memory
+                text += (
+                    f"; and by memory: a block's state {m.state[1] / 2**30:.3g} GiB over "
+                    f"{m.stage_ranks} rank(s), {m.saved[1] / 2**20:.4g} MiB saved per "
+                    f"microbatch, {m.budget_bytes / 2**30:.4g} GiB per rank"
+                )
+            text += ")"
         return text
 
     @property
@@ -104,13 +128,11 @@ class StagePlan:
 
     def stages_of(self, pp_rank: int, pp: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds, in order."""
-        if self.schedule in _V_SHAPED:
-            return [pp_rank, 2 * pp - 1 - pp_rank]
-        return list(range(pp_rank, self.stages, pp))
+        return [s for s in range(self.stages) if self.rank_of(s, pp) == pp_rank]
 
     def rank_of(self, stage: int, pp: int) -> int:
         """The pipeline rank holding `stage`."""
-        return next(r for r in range(pp) if stage in self.stages_of(r, pp))
+        return _rank_of(self.shape(pp), stage)
 
     def shape(self, pp: int) -> PipelineShape:
         """The schedule's shape, for pricing (pipeline_cost.py)."""
@@ -120,12 +142,13 @@ class StagePlan:
 @dataclass(frozen=True)
 class PipelineOptions:
     """What a mesh search needs to try pipeline degrees: where the model is cut, the
-    stages the job would run with `pp` pipeline ranks, a local batch of `local_batch` and a
-    schedule (`stages_for(pp, local_batch, schedule)`; a `UserInputError` where they cannot
-    split so), and the schedules to try (the job's, or `AUTO_SCHEDULES` for auto)."""
+    stages the job would run on a mesh of `degrees` (`pp` and the dims each stage is
+    shared by), a local batch of `local_batch` and a schedule (`stages_for(degrees,
+    local_batch, schedule)`; a `UserInputError` where they cannot split so), and the
+    schedules to try (the job's, or `AUTO_SCHEDULES` for auto)."""
 
     split: PipelineSplit
-    stages_for: Callable[[int, int, str], StagePlan]
+    stages_for: Callable[[dict[str, int], int, str], StagePlan]
     schedules: tuple[str, ...]
 
 
@@ -161,7 +184,7 @@ def plan_stages(
     `UserInputError` naming the option to change.  The blocks of each stage: from
     `split_points` (the first block of every stage but the first), else
     `layers_per_stage` each, else with `costs` so that the slowest stage is as fast as it
-    can be (`_balanced_by_cost`), else as even as they go (`_balanced`)."""
+    can be within its rank's memory (`_balanced_by_cost`), else as even as they go (`_balanced`)."""
     cls = schedule_class(schedule)
     name = cls.__name__.removeprefix("Schedule")
     multi = issubclass(cls, PipelineScheduleMulti)
@@ -189,7 +212,9 @@ def plan_stages(
                 f"{pp} ranks, and {model} has {n_blocks} blocks; use a smaller degree"
             )
         if costs is not None:
-            sizes = _balanced_by_cost(n_blocks, stages, costs)
+            microbatches = max(1, local_batch // max(1, microbatch_size))  # checked below
+            shape = PipelineShape(name, pp, stages // pp, microbatches)
+            sizes = _balanced_by_cost(n_blocks, stages, costs, shape)
         else:
             sizes = _balanced(n_blocks, stages)
         option = ""
@@ -235,30 +260,86 @@ def _balanced(n_blocks: int, stages: int) -> list[int]:
     return sizes
 
 
-def _balanced_by_cost(n_blocks: int, stages: int, costs: StageCosts) -> list[int]:
-    """Blocks per stage (at least one each) making the slowest stage as fast as it can be,
-    the first stage also running `costs.first`, the last `costs.last`: the smallest time T
-    whose block capacities hold every block, then blocks taken back from the slowest
-    stages (the outer ones first on a tie, as `_balanced` does) until they add up."""
-    extra = [0.0] * stages
-    extra[0] += costs.first
-    extra[-1] += costs.last
-    block = max(costs.block, 1e-12)
+# what recomputing a block's forward adds to its forward + backward time (the forward is
+# about a third of it: the backward computes two gradients per matmul)
+RECOMPUTE_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class _StageCost:
+    """A stage's predicted time per microbatch with `blocks` blocks (`inf`: it cannot fit
+    its rank's memory even recomputing every block), and how much of its share of the
+    rank's memory the activations it would save fill (the tie-breaker: the fuller gives a
+    block away first)."""
+
+    costs: StageCosts
+    stage: int
+    stages: int
+    in_flight: float  # microbatches the stage holds at its peak
+    share: int  # stages on its rank
+
+    def __call__(self, blocks: int) -> tuple[float, float]:
+        c, first, last = self.costs, self.stage == 0, self.stage == self.stages - 1
+        time = blocks * c.block + (c.first if first else 0.0) + (c.last if last else 0.0)
+        mem = c.memory
+        if mem is None:
+            return time, 0.0
+
+        def total(parts: tuple[float, float, float]) -> float:
+            return blocks * parts[1] + (parts[0] if first else 0.0) + (parts[2] if last else 0.0)
+
+        room = mem.budget_bytes / self.share - total(mem.state) / mem.stage_ranks
+        held = total(mem.saved) * self.in_flight
+        if held <= room:
+            return time, held / max(room, 1.0)
+        if room <= 0:
+            return math.inf, math.inf
+        # the planner recomputes (at least) the part of the blocks that does not fit
+        return time * (1 + RECOMPUTE_SHARE * (held - room) / held), held / room
+
+
+def _balanced_by_cost(
+    n_blocks: int, stages: int, costs: StageCosts, shape: PipelineShape
+) -> list[int]:
+    """Blocks per stage (at least one each) making the slowest stage as fast as it can be:
+    the first stage also runs `costs.first`, the last `costs.last`, and a stage whose
+    activations in flight (`shape.in_flight`) do not fit its rank's memory pays for the
+    recomputation that makes them fit (`_StageCost`).  The smallest time T whose block
+    capacities hold every block, then blocks taken back from the slowest stages (the fuller
+    first, then the outer ones, as `_balanced` does) until they add up.  Where no split
+    fits the memory, the split balances time alone (each stage's plan then says how far
+    it is over)."""
+    cost = [
+        _StageCost(costs, s, stages, shape.in_flight(_rank_of(shape, s)), shape.stages_per_rank)
+        for s in range(stages)
+    ]
+    table = [[cost[s](k) for k in range(1, n_blocks + 1)] for s in range(stages)]
 
     def capacity(t: float) -> list[int]:
-        return [max(0, int((t - e) / block + 1e-9)) for e in extra]
+        return [sum(1 for time, _ in row if time <= t) for row in table]
 
-    candidates = sorted({e + k * block for e in extra for k in range(1, n_blocks + 1)})
-    limit = next(t for t in candidates if min(capacity(t)) >= 1 and sum(capacity(t)) >= n_blocks)
+    candidates = sorted({time for row in table for time, _ in row if time < math.inf})
+    limit = next(
+        (t for t in candidates if min(capacity(t)) >= 1 and sum(capacity(t)) >= n_blocks), None
+    )
+    if limit is None:
+        return _balanced_by_cost(n_blocks, stages, replace(costs, memory=None), shape)
     sizes = capacity(limit)
     middle = (stages - 1) / 2
     while sum(sizes) > n_blocks:
         slowest = max(
             (s for s in range(stages) if sizes[s] > 1),
-            key=lambda s: (extra[s] + sizes[s] * block, abs(s - middle)),
+            key=lambda s: (*table[s][sizes[s] - 1], abs(s - middle)),
         )
         sizes[slowest] -= 1
     return sizes
+
+
+def _rank_of(shape: PipelineShape, stage: int) -> int:
+    """The pipeline rank holding `stage` (a V-shaped schedule folds the stages back)."""
+    if shape.schedule in _V_SHAPED and stage >= shape.pp:
+        return 2 * shape.pp - 1 - stage
+    return stage % shape.pp
 
 
 @dataclass(frozen=True)

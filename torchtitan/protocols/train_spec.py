@@ -68,9 +68,10 @@ class TrainSpec:
     `torchtitan.distributed.pipeline.PipelineSplit`); None: the spec cannot pipeline
     (`--parallelism.pipeline_parallel_degree` > 1 is an error)."""
     stage_costs_fn: Callable[..., Any] | None = None
-    """(meta model, job_config) -> `torchtitan.distributed.pipeline.StageCosts`: the
-    predicted time of the model's parts, by which the pipeline stages are split when the
-    user gives no split; None: the blocks are split as evenly as they go."""
+    """(meta model, job_config, stage_ranks) -> `torchtitan.distributed.pipeline.StageCosts`:
+    the predicted time and memory of the model's parts for stages shared by `stage_ranks`
+    ranks, by which the pipeline stages are split when the user gives no split; None: the
+    blocks are split as evenly as they go."""
     choose_mesh_fn: Callable[..., MeshChoice | Mapping[str, int]] | None = None
     """(meta model, model_args, job_config, world_size, global_batch, pipeline) ->
     `MeshChoice` (or just its degrees) for a job that leaves some degrees to `auto`; called

@@ -86,7 +86,7 @@ def plan_pipelined(
         for schedule in pipeline.schedules:
             label = f"{mesh.label()}, {schedule}"
             try:
-                stages = pipeline.stages_for(degrees["pp"], global_batch // dp, schedule)
+                stages = pipeline.stages_for(degrees, global_batch // dp, schedule)
             except UserInputError as e:
                 skipped.append((label, str(e)))
                 continue
