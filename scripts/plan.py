@@ -149,7 +149,12 @@ def parse_args(argv=None):
         help="pipeline schedule (torch.distributed.pipelining's name), or auto: 1F1B or "
         "Interleaved1F1B, whichever the search prices faster",
     )
-    ap.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch")
+    ap.add_argument(
+        "--microbatch-size",
+        default="1",
+        help="sequences per microbatch, or auto (with --pp: the search tries every size that "
+        "gives at least as many microbatches as pipeline ranks)",
+    )
     ap.add_argument(
         "--hand-written-pipeline",
         default=None,
@@ -565,7 +570,7 @@ def explain(pattern: str, autop, auto, constrain) -> tuple[str, dict]:
     return text, solved
 
 
-def _pipeline_job(a, world: int, batch: int, pp: str, tp: str, schedule: str, ac: str):
+def _pipeline_job(a, batch: int, pp: str, tp: str, schedule: str, microbatch: str, ac: str):
     """The trainer's job config for this dry run (planner spec, cost model, budget)."""
     from torchtitan.config import ConfigManager
     from torchtitan.config.manager import ConfigError
@@ -583,7 +588,7 @@ def _pipeline_job(a, world: int, batch: int, pp: str, tp: str, schedule: str, ac
         else "float32",
         "--parallelism.pipeline_parallel_degree": pp,
         "--parallelism.pipeline_parallel_schedule": schedule,
-        "--parallelism.pipeline_parallel_microbatch_size": a.microbatch_size,
+        "--parallelism.pipeline_parallel_microbatch_size": microbatch,
         "--parallelism.tensor_parallel_degree": tp,
         "--parallelism.data_parallel_shard_degree": -1,
         "--parallelism.fsdp_reshard_after_forward": a.reshard,
@@ -625,8 +630,10 @@ def run_pipelined(a) -> int:
     validate(a)
     if a.mesh != "auto":
         raise BadInput("--pp goes with --mesh auto --world N (the search lays out the mesh)")
-    if a.microbatch_size <= 0:
-        raise BadInput(f"--microbatch-size must be positive, got {a.microbatch_size}")
+    if a.microbatch_size != "auto" and not (a.microbatch_size.isdigit() and int(a.microbatch_size)):
+        raise BadInput(
+            f"--microbatch-size must be a positive number or auto, got {a.microbatch_size}"
+        )
     world, batch = a.world, a.batch if a.batch is not None else a.world
     os.environ["LOCAL_WORLD_SIZE"] = str(a.gpus_per_node)  # the cost model's node size
     if not dist.is_initialized():
@@ -638,7 +645,7 @@ def run_pipelined(a) -> int:
     with torch.device("meta"):
         model = Transformer(args)
     spec = get_train_spec("llama3_auto_parallel")
-    job = _pipeline_job(a, world, batch, a.pp, "auto", a.schedule, a.recompute)
+    job = _pipeline_job(a, batch, a.pp, "auto", a.schedule, a.microbatch_size, a.recompute)
     _progress(
         f"{a.flavor} ({args.n_layers} layers) on world {world}, pp {a.pp}, schedule "
         f"{a.schedule}, batch {batch} x seq {a.seq_len}, device {a.device}: searching ..."
@@ -680,7 +687,8 @@ def run_pipelined(a) -> int:
                 f"--hand-written-pipeline {a.hand_written_pipeline!r}: give PP,DP,TP"
             ) from None
         schedule = a.schedule if a.schedule != "auto" else "Interleaved1F1B"
-        hand = _pipeline_job(a, world, batch, str(pp), str(tp), schedule, "full")
+        microbatch = a.microbatch_size if a.microbatch_size != "auto" else "1"
+        hand = _pipeline_job(a, batch, str(pp), str(tp), schedule, microbatch, "full")
         cand = {"pp": pp, "dp_replicate": 1, "dp_shard": dp, "tp": tp}
         if pp * dp * tp != world:
             raise BadInput(

@@ -111,18 +111,28 @@ def test_planned_stages_match_1rank(args, stages, train_on_ranks):
 
 
 def test_a_searched_pipelined_mesh_and_schedule_match_1rank(train_on_ranks):
-    """pp 2 with tp and the schedule left to the mesh search: every pipelined candidate is
-    planned stage by stage and priced with its schedule's bubble and sends; the chosen
-    mesh and schedule train."""
-    run = train_on_ranks(4, _pp(2, "auto", shard=-1, tp="auto", local_batch=1, model=AUTO))
-    for mesh in ("pp 2 x tp 2", "pp 2 x dp_shard 2"):
-        assert f"   {mesh}, 1F1B: 2 stages of 3/3 blocks" in run.output, mesh
-        assert f"   {mesh}, Interleaved1F1B: 4 stages of 1/2/2/1 blocks" in run.output, mesh
-    assert "mesh search (world 4, 4 candidates)" in run.output
-    chosen = run.output.split("mesh search (world 4, 4 candidates): ")[1]
+    """pp 2 with tp, the schedule and the microbatch size left to the mesh search (a global
+    batch of 4): every pipelined candidate is planned stage by stage for each microbatch
+    size that keeps both pipeline ranks busy, and priced with its schedule's bubble and
+    sends; the chosen mesh, schedule and microbatch size train."""
+    microbatch = ["--parallelism.pipeline_parallel_microbatch_size", "auto"]
+    run = train_on_ranks(
+        4, [*_pp(2, "auto", shard=-1, tp="auto", local_batch=1, model=AUTO), *microbatch]
+    )
+    for mesh, sizes in (("pp 2 x tp 2", (1, 2)), ("pp 2 x dp_shard 2", (1,))):
+        for size in sizes:
+            one = f"   {mesh}, 1F1B, microbatch {size}: 2 stages of 3/3 blocks"
+            two = f"   {mesh}, Interleaved1F1B, microbatch {size}: 4 stages of 1/2/2/1 blocks"
+            assert one in run.output and two in run.output, (mesh, size)
+    assert "mesh search (world 4, 6 candidates)" in run.output
+    chosen = run.output.split("mesh search (world 4, 6 candidates): ")[1]
     chosen = chosen.split(", predicted step")[0]
     assert chosen.startswith("pp 2 x ")
-    assert f"pipeline: {chosen.split(', ')[1]}, " in run.output, chosen
+    _mesh, schedule, size = chosen.split(", ")
+    local = 4 if chosen.startswith("pp 2 x tp 2") else 2
+    microbatches = local // int(size.removeprefix("microbatch "))
+    assert f"pipeline: {schedule}, " in run.output, chosen
+    assert f"blocks, {microbatches} microbatches" in run.output, chosen
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what="searched pp 2 mesh")
 
 
@@ -193,8 +203,22 @@ def test_a_pipelined_run_resumes_bitwise(pp2_dp2_run, train_on_ranks, tmp_path):
             "give one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
             "ZBVZeroBubble",
         ),
+        (
+            ["--parallelism.pipeline_parallel_microbatch_size", "auto"],
+            "--parallelism.pipeline_parallel_microbatch_size auto: the mesh search chooses "
+            "it, and it runs when a degree is auto (e.g. --parallelism.pipeline_parallel_degree"
+            " auto); give a number of sequences",
+        ),
     ],
-    ids=["schedule", "microbatch", "layers", "split-points", "no-split", "schedule-auto"],
+    ids=[
+        "schedule",
+        "microbatch",
+        "layers",
+        "split-points",
+        "no-split",
+        "schedule-auto",
+        "microbatch-auto",
+    ],
 )
 def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
     given = dict(zip(args[::2], args[1::2]))

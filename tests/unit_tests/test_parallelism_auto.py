@@ -267,6 +267,29 @@ def test_a_mesh_choice_with_a_plan_is_passed_on_as_is():
     assert (resolved.tp, resolved.local_batch_size, resolved.global_batch_size) == (4, 32, 32)
 
 
+def test_a_pipelined_choice_brings_its_schedule_and_microbatch_size():
+    """A mesh search that chose a pipelined mesh with the schedule and microbatch size left
+    to it: the run's stages use them; the user's job keeps `auto`."""
+    from torchtitan.models.llama3 import llama3_configs
+
+    job_config = parse(
+        *("--parallelism.pipeline_parallel_degree", "auto"),
+        *("--parallelism.pipeline_parallel_schedule", "auto"),
+        *("--parallelism.pipeline_parallel_microbatch_size", "auto"),
+        *("--training.global_batch_size", "8"),
+    )
+    degrees = {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    choice = MeshChoice(degrees, schedule="Interleaved1F1B", microbatch_size=2)
+    resolved = resolve(
+        get_train_spec("llama3"), job_config, llama3_configs["debugmodel"], 4, choice
+    )
+    stages = resolved.stage_plan
+    assert stages is not None and stages.schedule == "Interleaved1F1B"
+    assert (resolved.local_batch_size, stages.microbatches, stages.stages) == (4, 2, 4)
+    p = job_config.parallelism
+    assert p.pipeline_parallel_schedule == p.pipeline_parallel_microbatch_size == "auto"
+
+
 def test_resolve_does_nothing_without_auto_and_refuses_a_spec_that_cannot_search():
     job_config = parse("--parallelism.tensor_parallel_degree", "2")
     before = job_config.to_dict()

@@ -87,6 +87,10 @@ def _solve(
         (["--mesh", "auto", "--world", "8", "--nodes", "2"], "--world 8 is not --nodes 2 x"),
         (["--mesh", "2,2", "--pp", "2"], "--pp goes with --mesh auto --world N"),
         (
+            ["--mesh", "auto", "--world", "4", "--pp", "2", "--microbatch-size", "0"],
+            "--microbatch-size must be a positive number or auto, got 0",
+        ),
+        (
             [
                 "--mesh",
                 "auto",
@@ -162,19 +166,28 @@ def test_plan_script_small_mesh(tmp_path):
 
 
 def test_plan_script_pipelined_search(tmp_path):
-    """--pp 2 --world 4: both pipelined meshes planned stage by stage, priced with the
-    schedule's bubble and sends; the page shows the chosen pipeline's stage plans."""
+    """--pp 2 --world 4 --microbatch-size auto: both pipelined meshes planned stage by stage
+    for every microbatch size that keeps both pipeline ranks busy (pp 2 x dp_shard 2: a
+    local batch of 2, size 1; pp 2 x tp 2: a local batch of 4, sizes 1 and 2), priced with
+    the schedule's bubble and sends; the page shows the chosen pipeline's stage plans."""
     cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), "--flavor", "debugmodel"]
     cmd += ["--layers", "4", "--vocab", "512", "--mesh", "auto", "--world", "4", "--pp", "2"]
     cmd += ["--seq-len", "32", "--device", "h100", "--out-dir", str(tmp_path)]
+    cmd += ["--microbatch-size", "auto"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    for mesh in ("pp 2 x tp 2, 1F1B", "pp 2 x dp_shard 2, 1F1B"):
-        assert f"   {mesh}: 2 stages of 2/2 blocks" in r.stdout, r.stdout
-    assert "mesh search (world 4, 2 candidates): pp 2 x " in r.stdout
+    for mesh, microbatches in [
+        ("pp 2 x tp 2, 1F1B, microbatch 1", 4),
+        ("pp 2 x tp 2, 1F1B, microbatch 2", 2),
+        ("pp 2 x dp_shard 2, 1F1B, microbatch 1", 2),
+    ]:
+        expected = f"   {mesh}: 2 stages of 2/2 blocks, {microbatches} microbatches; bubble"
+        assert expected in r.stdout, r.stdout
+    assert "mesh search (world 4, 3 candidates): pp 2 x " in r.stdout
     search = json.loads((tmp_path / "mesh_search.json").read_text())
     assert {res["schedule"] for res in search["results"]} == {"1F1B"}
+    assert sorted(res["microbatch_size"] for res in search["results"]) == [1, 1, 2]
     assert all(res["predicted"]["bubble_us"] > 0 for res in search["results"])
     html = (tmp_path / "plan.html").read_text()
     assert "<h2>stage 0 (2 blocks)</h2>" in html and "<h2>stage 1 (2 blocks)</h2>" in html

@@ -62,10 +62,12 @@ class CandidateResult:
     plan_s: float = 0.0
     detail: str = ""  # what else the candidate chose (a pipeline's stages)
     schedule: str = ""  # a pipelined candidate's schedule ("" without pipeline stages)
+    microbatch_size: int = 0  # a pipelined candidate's, when searched (0: the job's)
 
     def label(self) -> str:
-        """The mesh, and the schedule of a pipelined one."""
-        return self.mesh.label() + (f", {self.schedule}" if self.schedule else "")
+        """The mesh, and the schedule (and searched microbatch size) of a pipelined one."""
+        text = self.mesh.label() + (f", {self.schedule}" if self.schedule else "")
+        return text + (f", microbatch {self.microbatch_size}" if self.microbatch_size else "")
 
     @property
     def fits(self) -> bool:
@@ -196,6 +198,7 @@ class MeshSearch:
                 plan_s=r["plan_s"],
                 detail=r.get("detail", ""),
                 schedule=r.get("schedule", ""),
+                microbatch_size=r.get("microbatch_size", 0),
             )
             for r in data["results"]
         ]

@@ -186,9 +186,11 @@ class Parallelism:
     (GPipe, 1F1B) or several (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
     ZBVZeroBubble)."""
 
-    pipeline_parallel_microbatch_size: int = 1
+    pipeline_parallel_microbatch_size: int | Literal["auto"] = 1
     """Sequences per microbatch; it must divide the local batch size, and the schedule
-    runs local batch / microbatch size microbatches per step."""
+    runs local batch / microbatch size microbatches per step.  auto: the mesh search tries
+    every size that divides the local batch into at least as many microbatches as there
+    are pipeline ranks (fewer would leave a rank idle all step) and keeps the fastest."""
 
     pipeline_parallel_split_points: str = ""
     """Where stages start, as comma-separated positions of blocks (e.g. 2,4: blocks 0-1,

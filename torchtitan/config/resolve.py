@@ -134,12 +134,16 @@ def pipeline_plan(
     schedule torch does not have."""
     p = job_config.parallelism
     option = f"--parallelism.pipeline_parallel_degree {pp}"
-    if p.pipeline_parallel_schedule == AUTO:
-        raise UserInputError(
-            "--parallelism.pipeline_parallel_schedule auto: the mesh search chooses it, and "
-            "it runs when a degree is auto (e.g. --parallelism.pipeline_parallel_degree "
-            f"auto); give one of {', '.join(SCHEDULES)}"
-        )
+    for setting, give in (
+        ("schedule", f"give one of {', '.join(SCHEDULES)}"),
+        ("microbatch_size", "give a number of sequences"),
+    ):
+        if getattr(p, f"pipeline_parallel_{setting}") == AUTO:
+            raise UserInputError(
+                f"--parallelism.pipeline_parallel_{setting} auto: the mesh search chooses it, "
+                "and it runs when a degree is auto (e.g. --parallelism.pipeline_parallel_degree"
+                f" auto); {give}"
+            )
     if spec.pipeline_split is None:
         raise UserInputError(
             f"{option}: {spec.name} cannot be pipelined (its spec names no pipeline split); "
@@ -159,7 +163,7 @@ def pipeline_plan(
         p.pipeline_parallel_schedule,
         p.pipeline_parallel_layers_per_stage,
         job_config.training.local_batch_size,
-        p.pipeline_parallel_microbatch_size,
+        int(p.pipeline_parallel_microbatch_size),  # auto refused above
         f"{job_config.model.name} {job_config.model.flavor}",
         split_points,
         costs,
@@ -272,16 +276,23 @@ def pipeline_options(
         return None
     p = job_config.parallelism
     schedules = AUTO_SCHEDULES if p.pipeline_parallel_schedule == AUTO else None
+    microbatch = p.pipeline_parallel_microbatch_size
 
-    def stages_for(degrees: dict[str, int], local_batch: int, schedule: str) -> StagePlan:
+    def stages_for(
+        degrees: dict[str, int], local_batch: int, schedule: str, microbatch_size: int
+    ) -> StagePlan:
         run = copy.deepcopy(job_config)
         run.parallelism.pipeline_parallel_schedule = schedule
+        run.parallelism.pipeline_parallel_microbatch_size = microbatch_size
         run.training.local_batch_size = local_batch
         stage_ranks = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
         return pipeline_plan(spec, model_args, run, degrees["pp"], stage_ranks)
 
     return PipelineOptions(
-        spec.pipeline_split, stages_for, schedules or (p.pipeline_parallel_schedule,)
+        spec.pipeline_split,
+        stages_for,
+        schedules or (p.pipeline_parallel_schedule,),
+        None if microbatch == AUTO else int(microbatch),
     )
 
 
@@ -320,6 +331,8 @@ def resolve(
         run.training.global_batch_size = global_batch
         if mesh_choice.schedule is not None:
             run.parallelism.pipeline_parallel_schedule = mesh_choice.schedule
+        if mesh_choice.microbatch_size is not None:
+            run.parallelism.pipeline_parallel_microbatch_size = mesh_choice.microbatch_size
     for name, option in DEGREES:
         setattr(run.parallelism, option, getattr(dims, name))
     run.parallelism.expert_parallel_degree = dims.ep

@@ -143,13 +143,24 @@ class StagePlan:
 class PipelineOptions:
     """What a mesh search needs to try pipeline degrees: where the model is cut, the
     stages the job would run on a mesh of `degrees` (`pp` and the dims each stage is
-    shared by), a local batch of `local_batch` and a schedule (`stages_for(degrees,
-    local_batch, schedule)`; a `UserInputError` where they cannot split so), and the
-    schedules to try (the job's, or `AUTO_SCHEDULES` for auto)."""
+    shared by), a local batch of `local_batch`, a schedule and a microbatch size
+    (`stages_for(degrees, local_batch, schedule, microbatch_size)`; a `UserInputError`
+    where they cannot split so), the schedules to try (the job's, or `AUTO_SCHEDULES` for
+    auto), and the job's microbatch size (None: auto, see `microbatch_sizes`)."""
 
     split: PipelineSplit
-    stages_for: Callable[[dict[str, int], int, str], StagePlan]
+    stages_for: Callable[[dict[str, int], int, str, int], StagePlan]
     schedules: tuple[str, ...]
+    microbatch_size: int | None = 1
+
+    def microbatch_sizes(self, local_batch: int, pp: int) -> list[int]:
+        """The microbatch sizes to try: the job's, or for auto every size that divides
+        `local_batch` into at least `pp` microbatches (fewer leave a pipeline rank idle
+        all step), 1 at the least."""
+        if self.microbatch_size is not None:
+            return [self.microbatch_size]
+        sizes = [s for s in range(1, local_batch + 1) if local_batch % s == 0]
+        return [s for s in sizes if local_batch // s >= pp] or [1]
 
 
 def schedule_class(name: str) -> type:

@@ -40,6 +40,9 @@ class MeshChoice:
     schedule: str | None = None
     """The pipeline schedule chosen with a pipelined mesh (for a schedule left to `auto`);
     None: the job's own."""
+    microbatch_size: int | None = None
+    """The pipeline microbatch size chosen with a pipelined mesh (for a size left to
+    `auto`); None: the job's own."""
 
 
 @dataclass(frozen=True)

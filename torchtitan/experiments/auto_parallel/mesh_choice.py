@@ -183,7 +183,10 @@ def choose_mesh(
         raise planner_error(e, job_config) from None
     logger.info(f"{result.verdict()}\n{result.table()}")
     if degrees["pp"] > 1:  # its stages are planned as the trainer builds them
-        return MeshChoice(degrees, schedule=result.best.schedule)
+        best = result.best
+        return MeshChoice(
+            degrees, schedule=best.schedule, microbatch_size=best.microbatch_size or None
+        )
     if result.plan is None or planner is None:  # choose keeps the chosen candidate's plan
         raise RuntimeError("mesh search: the chosen mesh came without its plan")
     return MeshChoice(degrees, SearchedPlan(planner, result.plan))

@@ -16,6 +16,7 @@ peaks with their microbatches in flight.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import Counter
@@ -82,18 +83,21 @@ def plan_pipelined(
     skipped: list[tuple[str, str]] = []
     for degrees in candidates:
         mesh = MeshCandidate(*zip(*mesh_dims(**degrees)))
-        dp = degrees["dp_replicate"] * degrees["dp_shard"]
-        for schedule in pipeline.schedules:
-            label = f"{mesh.label()}, {schedule}"
+        local_batch = global_batch // (degrees["dp_replicate"] * degrees["dp_shard"])
+        sizes = pipeline.microbatch_sizes(local_batch, degrees["pp"])
+        for schedule, microbatch in itertools.product(pipeline.schedules, sizes):
+            searched = microbatch if pipeline.microbatch_size is None else 0
+            label = CandidateResult(mesh, schedule=schedule, microbatch_size=searched).label()
             try:
-                stages = pipeline.stages_for(degrees, global_batch // dp, schedule)
+                stages = pipeline.stages_for(degrees, local_batch, schedule, microbatch)
             except UserInputError as e:
                 skipped.append((label, str(e)))
                 continue
             t0 = time.perf_counter()
             result, plans = _plan_candidate(
-                model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins
+                model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins, microbatch
             )
+            result.microbatch_size = searched
             if stage_plans is not None:
                 stage_plans[result.label()] = plans
             result.plan_s = time.perf_counter() - t0
@@ -115,12 +119,13 @@ def _plan_candidate(
     job_config: JobConfig,
     vocab_size: int,
     pins: Pins | None,
+    microbatch: int,
 ) -> tuple[CandidateResult, dict[str, Plan]]:
-    """The candidate's result, and its stages' plans by the stages they stand for."""
+    """The candidate's result (`microbatch` sequences per microbatch), and its stages'
+    plans by the stages they stand for."""
     pp = degrees["pp"]
     inner = MeshCandidate(*zip(*mesh_dims(**{**degrees, "pp": 1})))
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
     tokens = torch.zeros((microbatch, job_config.training.seq_len), dtype=torch.long)
     io = stage_io(model, pipeline.split, stages, tokens, pp)
     kinds = [_Kind(io[s].first, io[s].last, len(stages.blocks[s])) for s in range(stages.stages)]

@@ -36,7 +36,7 @@ def stage_costs(split: PipelineSplit):
         """One microbatch's predicted forward + backward time and memory of the modules
         before the blocks, of one block and of the modules after them (token ids in: any
         values do, only shapes are traced), for stages shared by `stage_ranks` ranks."""
-        microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
+        microbatch = int(job_config.parallelism.pipeline_parallel_microbatch_size)  # not auto here
         shape = (microbatch, job_config.training.seq_len)
         dtype = resolve_param_dtype(job_config.training.mixed_precision_param)
         cost_model = planner_settings(job_config).cost_model
