@@ -91,19 +91,36 @@ def test_pipelined_meshes_and_schedules_match_1rank(nproc, args, stages, train_o
     assert_losses_close(run.losses(), GOLDEN, rtol=1e-4, what=" ".join(args[2:]))
 
 
+FULL_AC = ["--activation_checkpoint.mode", "full"]
+EVERY_2ND_AC = ["--activation_checkpoint.mode", "selective"]
+EVERY_2ND_AC += ["--activation_checkpoint.selective_ac_option", "2"]
+
+
 @pytest.mark.parametrize(
-    "args, stages",
+    "args, stages, recompute",
     [
-        (_pp(2, "1F1B", shard=2, local_batch=2, model=AUTO), "2 stages of 3/3 blocks"),
-        (_pp(2, "Interleaved1F1B", tp=2, model=AUTO), "4 stages of 1/2/2/1 blocks"),
-        (_pp(4, "GPipe", model=AUTO), "4 stages of 1/2/2/1 blocks"),
+        (
+            [*_pp(2, "1F1B", shard=2, local_batch=2, model=AUTO), *FULL_AC],
+            "2 stages of 3/3 blocks",
+            "recompute: layers#0-2 full",
+        ),
+        (_pp(2, "Interleaved1F1B", tp=2, model=AUTO), "4 stages of 1/2/2/1 blocks", None),
+        (
+            [*_pp(4, "GPipe", model=AUTO), *EVERY_2ND_AC],
+            "4 stages of 1/2/2/1 blocks",
+            "recompute: layers#0 full, layers#1 none",
+        ),
     ],
-    ids=["pp2_dp2_1f1b", "pp2_tp2_interleaved", "pp4_gpipe"],
+    ids=["pp2_dp2_1f1b_full_ac", "pp2_tp2_interleaved", "pp4_gpipe_every_2nd_block_ac"],
 )
-def test_planned_stages_match_1rank(args, stages, train_on_ranks):
-    """The planner plans each stage on the mesh's other dims (pp4: a mesh of one)."""
+def test_planned_stages_match_1rank(args, stages, recompute, train_on_ranks):
+    """The planner plans each stage on the mesh's other dims (pp4: a mesh of one); a stage
+    of fewer blocks than a stack the planner finds by itself still recomputes its blocks
+    as asked (every 2nd: counted within the stage, as the hand-written path counts)."""
     run = train_on_ranks(4, args)
     assert stages in run.output
+    if recompute is not None:
+        assert recompute in run.output, run.output[-3000:]
     assert "cut by predicted time per microbatch" in run.output
     assert "auto-parallel planning of pipeline stage 0 (blocks 0-" in run.output
     assert "microbatches in flight) took" in run.output

@@ -128,6 +128,34 @@ def test_budget_nothing_fits_names_the_smallest_that_would(one_rank):
     )
 
 
+def test_a_stack_too_short_to_find_recomputes_when_its_container_is_named(one_rank):
+    """Two blocks are no stack the planner finds by itself (a pipeline stage's share of a
+    model's blocks): full recompute is refused, unless the container is named as holding
+    blocks; then both blocks recompute and save what a full block saves."""
+
+    def plan(recompute, containers=()):
+        with torch.device("meta"):
+            model = MLPStack(n_layers=2)
+        with AutoParallel(
+            model,
+            lambda: torch.zeros(SHAPE),
+            one_rank,
+            cost_model="cpu",
+            recompute=recompute,
+            block_containers=containers,
+        ) as autop:
+            autop.add_input_constraints([(Shard(0),)])
+            return autop.optimize_placement()
+
+    with pytest.raises(PlannerError, match="no stack of 4 or more identical blocks"):
+        plan("full")
+    full, none = plan("full", ("layers",)), plan("none", ("layers",))
+    assert describe_policies(full.recompute) == "layers#0-1 full"
+    saved = full.predicted["saved_at_boundary_bytes_per_rank"]
+    assert saved == (2 * 16 + 16) * KiB  # as each of 5 blocks saves in test_saved_bytes_per_policy
+    assert none.predicted["saved_at_boundary_bytes_per_rank"] == (2 * 64 + 2 * 16 + 16) * KiB
+
+
 def test_unknown_policy_and_block_are_named(one_rank):
     with pytest.raises(PlannerError, match="unknown activation recompute policy 'most'"):
         planned(one_rank, "most")

@@ -126,7 +126,10 @@ class AutoParallel:
     `solver_time_limit` bounds the solve; once it holds a plan near the relaxation's bound,
     the search for a cheaper one stops after `solver_proof_limit` seconds (the plan records
     the gap it proved, solve/milp.py).  `share_repeated=False` plans every block of a stack
-    on its own (trace/repeat.py).
+    on its own (trace/repeat.py).  The repeated blocks are found by structure (a stack of
+    `MIN_BLOCKS` or more identical children); `block_containers` names containers whose
+    children are blocks however few there are (a pipeline stage's share of a stack), so
+    that per-block recomputation and re-gathering apply to them too.
 
     `reshard_after_forward` says which FSDP units gather their parameters again in the
     backward instead of keeping them (policies/regather.py): True/"always", False/"never",
@@ -153,6 +156,7 @@ class AutoParallel:
         share_repeated: bool = True,
         reshard_after_forward: bool | str = True,
         recompute: str | dict[str, str] = "none",
+        block_containers: Sequence[str] = (),
     ):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -165,6 +169,7 @@ class AutoParallel:
         self.param_dtype, self.reduce_dtype = _mp_dtypes(mp_policy)
         self.cost_model = resolve_cost_model(cost_model)
         self.share_repeated = share_repeated
+        self.block_containers = tuple(block_containers)
         # checked now; recompute is checked against the model's blocks once traced
         self.settings = PlanSettings(
             recompute=check_recompute_setting(recompute),
@@ -186,7 +191,7 @@ class AutoParallel:
     def __enter__(self) -> AutoParallel:
         t = time.perf_counter()
         self._trace = PlanningTrace.of(
-            self.model, self.input_fn, self.param_dtype, self.share_repeated
+            self.model, self.input_fn, self.param_dtype, self.share_repeated, self.block_containers
         )
         self.timings["trace"] = time.perf_counter() - t
         return self

@@ -367,6 +367,7 @@ class StageIO:
     in_flight: float = 1.0  # microbatches whose activations the stage holds at its peak
     stage: int = 0
     blocks: tuple[int, ...] = ()  # positions of its blocks in the model's container
+    container: str = ""  # that container's name (`PipelineSplit.blocks`)
 
     def describe(self) -> str:
         """`stage 1 (blocks 3-5, 2 microbatches in flight)`."""
@@ -412,6 +413,7 @@ def stage_io(
             shape.in_flight(plan.rank_of(s, pp)),
             s,
             tuple(plan.blocks[s]),
+            split.blocks,
         )
         for s, (i, o) in enumerate(zip(ins, outs))
     ]

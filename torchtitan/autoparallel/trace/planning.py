@@ -4,7 +4,7 @@ whole model's trace made on first use (apply runs the plan on it)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,13 @@ class PlanningTrace:
         input_fn: Callable[[], Any],
         param_dtype: torch.dtype | None,
         share_repeated: bool,
+        block_containers: Sequence[str] = (),
     ) -> PlanningTrace:
-        """Trace `model` shallow where it repeats blocks (unless `share_repeated` is off);
-        a forward that indexes its stack (`self.norms[3]`) cannot run on a shallow copy, so
-        then the whole model is traced instead."""
-        blocks = repeat.find_repeated_blocks(model) if share_repeated else []
+        """Trace `model` shallow where it repeats blocks (unless `share_repeated` is off;
+        `block_containers`: `repeat.find_repeated_blocks`'s `named`); a forward that indexes
+        its stack (`self.norms[3]`) cannot run on a shallow copy, so then the whole model is
+        traced instead."""
+        blocks = repeat.find_repeated_blocks(model, block_containers) if share_repeated else []
         if not blocks:
             tg = trace_joint(model, input_fn, param_dtype)
             return cls(tg, [], full=tg)

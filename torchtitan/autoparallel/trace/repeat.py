@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
 import torch.nn as nn
 
-MIN_BLOCKS = 4  # with 3 or fewer blocks there is nothing to save
+MIN_BLOCKS = 4  # with 3 or fewer blocks a shallow trace saves nothing
 LABEL_KEY = "autoparallel_block"
 
 
@@ -117,9 +118,10 @@ def _runs(children: list[nn.Module]) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
-def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
+def find_repeated_blocks(model: nn.Module, named: Sequence[str] = ()) -> list[RepeatedBlocks]:
     """Outermost containers (never the root) with a run of >= MIN_BLOCKS structurally
-    identical children."""
+    identical children, and the containers `named` whatever their runs (a pipeline stage
+    holding a few blocks of a stack: each is still a block to recompute or gather again)."""
     found: list[RepeatedBlocks] = []
     for name, mod in model.named_modules():
         if not name or any(name.startswith(b.prefix()) for b in found):
@@ -128,7 +130,7 @@ def find_repeated_blocks(model: nn.Module) -> list[RepeatedBlocks]:
             continue
         children = list(mod.named_children())
         runs = _runs([c for _n, c in children])
-        if max((n for _s, n in runs), default=0) < MIN_BLOCKS:
+        if not runs or (max(n for _s, n in runs) < MIN_BLOCKS and name not in named):
             continue
         keys = tuple(n for n, _c in children)
         found.append(RepeatedBlocks(name, keys, not isinstance(mod, nn.ModuleDict), runs))

@@ -177,6 +177,7 @@ def planner_for_job(
         solver_time_limit=settings.solver_time_limit_seconds,
         solver_proof_limit=settings.solver_proof_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+        block_containers=(stage.container,) if stage is not None and stage.container else (),
     )
 
 
