@@ -6,7 +6,7 @@ process on every rank: every parameter's gradient at every step (rtol 1e-4) and 
 microbatch's loss.
 
     torchrun --standalone --nproc_per_node=4 planned_pipeline_grads.py DUMP_FOLDER \
-        pp2dp2 pp2tp2 [compiled]
+        pp2dp2 pp2tp2 pp2dp2zbv [compiled]
 
 Prints `PASS <mesh>` per mesh; exits non-zero at the first mismatch.
 """
@@ -28,8 +28,14 @@ from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_a
 from torchtitan.models.llama3 import Transformer
 from torchtitan.train import _use_rank_inductor_cache
 
-MESHES = {"pp2dp2": dict(dp_shard=2, tp=1), "pp2tp2": dict(dp_shard=1, tp=2)}
-SCHEDULE = "1F1B"  # the model, batch, steps, loss and init: the hand-written check's
+# the mesh's dims other than pp, and the schedule (the model, batch, steps, loss and init:
+# the hand-written check's); ZBVZeroBubble runs a stage's backward twice (inputs' gradients,
+# then the parameters')
+MESHES = {
+    "pp2dp2": (dict(dp_shard=2, tp=1), "1F1B"),
+    "pp2tp2": (dict(dp_shard=1, tp=2), "1F1B"),
+    "pp2dp2zbv": (dict(dp_shard=2, tp=1), "ZBVZeroBubble"),
+}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +43,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
-    dims = ParallelDims(dp_replicate=1, **MESHES[mesh_name], world_size=dist.get_world_size(), pp=2)
+    degrees, schedule = MESHES[mesh_name]
+    dims = ParallelDims(dp_replicate=1, **degrees, world_size=dist.get_world_size(), pp=2)
     dims.build_mesh("cpu")
     dp_mesh, pp_mesh = dims.dp_mesh(), dims.pp_mesh()
     assert pp_mesh is not None
@@ -52,7 +59,7 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
         reference, model = Transformer(ARGS), Transformer(ARGS)
     reference.to_empty(device="cpu")
     initialised(reference)
-    plan = plan_stages(ARGS.n_layers, 2, SCHEDULE, None, BATCH // dp, 1, "llama3 debugmodel")
+    plan = plan_stages(ARGS.n_layers, 2, schedule, None, BATCH // dp, 1, "llama3 debugmodel")
     io = stage_io(model, SPLIT, plan, torch.zeros(1, SEQ, dtype=torch.long), 2)
     stages = split_stages(model, SPLIT, plan, pp_mesh.get_local_rank(), 2)
     for i, stage_id in enumerate(stages.stage_ids):

@@ -46,7 +46,7 @@ def _pp(
 
 
 AUTO = "llama3_auto_parallel"
-PLANNED_MESHES = ["pp2dp2", "pp2tp2"]
+PLANNED_MESHES = ["pp2dp2", "pp2tp2", "pp2dp2zbv"]
 PP2_DP2 = _pp(2, "1F1B", shard=2, local_batch=2)
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 

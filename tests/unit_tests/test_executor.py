@@ -372,6 +372,18 @@ def test_an_input_that_requires_grad_gets_its_gradient(fake_world):
         for (name, p), (_, q) in zip(pm.named_parameters(), reference.named_parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
+        # a retained graph's second backward: the same output gradients hand the parameters'
+        # gradients back again (a zero-bubble schedule's weight step); others are refused
+        out = pm(ours)
+        (g,) = torch.autograd.grad(out.sum(), [ours], retain_graph=True)
+        torch.testing.assert_close(g, torch.autograd.grad(reference(theirs).sum(), [theirs])[0])
+        again = torch.autograd.grad(out.sum(), list(pm.parameters()), retain_graph=True)
+        expected = torch.autograd.grad(reference(theirs).sum(), list(reference.parameters()))
+        for ours_g, theirs_g, (name, _) in zip(again, expected, pm.named_parameters()):
+            torch.testing.assert_close(ours_g.full_tensor(), theirs_g, msg=name)
+        with pytest.raises(RuntimeError, match="a planned module's backward ran twice"):
+            torch.autograd.grad((2 * out).sum(), list(pm.parameters()))
+
         on_meta = torch.empty(8, 16, 32, device="meta", requires_grad=True)
         out = pm(on_meta)
         assert out.is_meta and out.shape == reference(x).shape

@@ -93,16 +93,20 @@ class LoweredPlan:
 
 class _PlanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lp: LoweredPlan, *locals_):
+    def forward(ctx, lp: LoweredPlan, scale: float, *locals_):
         res = lp.fwd(list(locals_))
-        ctx.lp, ctx.saved = lp, res[lp.n_out :]
-        # outputs that are also saved would make autograd see a tensor it returns as an input
-        # of its own backward; hand out views instead
-        return tuple(o.view_as(o) for o in res[: lp.n_out])
+        ctx.lp, ctx.scale, ctx.saved = lp, scale, res[lp.n_out :]
+        # an output that is also saved would make autograd see a tensor it returns as an
+        # input of its own backward; hand out a view of it instead (and the others as they
+        # are: a pipeline schedule detaches a stage's outputs in place, which a view refuses)
+        saved = {id(t) for t in ctx.saved}
+        return tuple(o.view_as(o) if id(o) in saved else o for o in res[: lp.n_out])
 
     @staticmethod
     def backward(ctx, *grads):
         lp = ctx.lp
+        if ctx.saved is None:
+            return (None, None, *_weight_step(ctx, grads))
         tangents = []
         for i in lp.tangent_slots:
             g = grads[i]
@@ -111,14 +115,37 @@ class _PlanFunction(torch.autograd.Function):
                 g = torch.zeros(
                     shape, dtype=dtype, device=ctx.saved[0].device if ctx.saved else None
                 )
-            tangents.append(g.contiguous())
+            tangents.append((g if ctx.scale == 1.0 else g * ctx.scale).contiguous())
         args = [*ctx.saved, *tangents]
         ctx.saved = tangents = None
         out = lp.bwd(args)  # the graph empties `args`, freeing each input after its last use
         res: list = [None] * lp.n_in
         for slot, g in zip(lp.grad_slots, out):
             res[slot] = g
-        return (None, *res)
+        ctx.grads, ctx.weight_grads = grads, list(res)
+        for slot in lp.grad_slots[len(lp.partition.grad_names) :]:
+            ctx.weight_grads[slot] = None
+        return (None, None, *res)
+
+
+def _weight_step(ctx, grads: tuple) -> list:
+    """The backward run again on a retained graph: a zero-bubble schedule's weight step
+    (`torch.distributed.pipelining`: one pass for the inputs' gradients, a later one from
+    the same output gradients for the parameters').  The lowered backward computed both
+    in the first pass; this hands back its parameters' gradients, once, and refuses any
+    other second pass (other output gradients would need the saved values, freed)."""
+    same = ctx.weight_grads is not None and all(
+        (a is None) == (b is None) and (a is None or a is b or torch.equal(a, b))
+        for a, b in zip(grads, ctx.grads)
+    )
+    if not same:
+        raise RuntimeError(
+            "a planned module's backward ran twice: its saved values are freed after the "
+            "first (only a zero-bubble pipeline schedule's weight step, with the same "
+            "output gradients, may run it again)"
+        )
+    weight_grads, ctx.weight_grads, ctx.grads = ctx.weight_grads, None, None
+    return weight_grads
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -222,7 +249,7 @@ class LoweredExecutor:
             raise PlannerError(f"expected {len(tg.inputs)} inputs, got {len(flat)}")
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
             return self._finish(list(_OnMeta.apply(self, *flat)))
-        # the outputs' gradients are scaled by 1 / batch ranks (`_finish`); an input's
+        # the outputs' gradients are scaled by 1 / batch ranks (`_PlanFunction`); an input's
         # gradient leaves unscaled, the gradient of this rank's own loss, as a stage of a
         # pipeline hands it to the stage before, which scales it again
         ranks = self.interp.batch_ranks()
@@ -248,13 +275,14 @@ class LoweredExecutor:
             lp = self.lowered[sig] = LoweredPlan(self, keys, placements, detached, device)
         if not torch.is_grad_enabled():
             return list(lp.fwd(list(locals_))[: lp.n_out])
-        # to_local keeps autograd: gradients of the local shards flow back into the params
-        return list(_PlanFunction.apply(lp, *locals_))
+        # to_local keeps autograd: gradients of the local shards flow back into the params;
+        # the outputs' gradients are scaled by 1 / batch ranks (mean loss: DDP's, FSDP's)
+        scale = 1.0 / self.interp.batch_ranks()
+        return list(_PlanFunction.apply(lp, scale, *locals_))
 
     def _finish(self, outs: list[torch.Tensor]) -> Any:
-        """Local outputs with the mean-gradient scaling, in the user's output structure."""
-        scale = 1.0 / self.interp.batch_ranks()
-        outs = [_ScaleGrad.apply(v, scale) if scale != 1.0 and v.requires_grad else v for v in outs]
+        """Local outputs in the user's output structure."""
+
         spec = self.interp.tg.output_spec
         spec = getattr(spec, "spec", spec)
         if spec is not None:
