@@ -322,99 +322,124 @@ def memory_rows(
 ) -> list[MemoryRow]:
     """The candidate peaks (module docstring) for plans whose blocks follow `options` and
     whose units keep or gather again their parameters as `regather` says."""
-    chain = param_chains(tg, table)
-    fixed, free = regather.fixed, regather.free
-    decided = lambda n: chain[n] if chain.get(n) in free else None  # noqa: E731
+    rows = _Rows(tg, table, options, regather, param_chains(tg, table))
     static = [RowEntry(t, tg.weight(t.node)) for t in param_terms(tg, optim_bytes_per_elem)]
-    grads = grad_terms(tg, table, chain)
-    sims = {p: snapshots(tg, p, lambda n: chain.get(n) in fixed) for p in options}
-    again = {}  # policy -> moment -> the replay with every decided unit gathering again
-    if free:
-        for p in options:
-            every = snapshots(tg, p, lambda n: chain.get(n) in fixed or chain.get(n) in free)
-            again[p] = {snap.where: snap for snap in every}
-
-    def activation(node, idx) -> MemoryTerm | None:
-        if node not in table.nodes:
-            return None
-        v = _source_value((node, idx))
-        return MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation")
-
-    saved_by_block: dict[str, dict[str, list[MemoryTerm]]] = {}  # policy -> block -> terms
-    for p, snaps in sims.items():
-        per: dict[str, list[MemoryTerm]] = defaultdict(list)
-        for node, idx in snaps[0].saved:  # the boundary: everything saved
-            b, t = block_label(node), activation(node, idx)
-            if b is not None and t is not None and decided(node) is None:
-                per[b].append(t)
-        saved_by_block[p] = per
-    gathers = gather_terms(tg, table, chain)
-    rows = []
-    for p, snaps in sims.items():
+    grads = grad_terms(tg, table, rows.chain)
+    fixed = regather.fixed
+    out = []
+    for p, snaps in rows.sims.items():
         copies = copy_terms(tg, table, p, fixed)
         for snap in snaps:
             entries = list(static)
             entries += [
                 RowEntry(t, tg.weight(t.node)) for t, b in grads if _reduced_by(b, snap.where)
             ]
-            alive: set[str] = set()
-            for node, idx in snap.saved:
-                b, t = block_label(node), activation(node, idx)
-                if t is None:
-                    continue
-                if decided(node) is not None:  # kept: counts while its unit keeps
-                    entries.append(RowEntry(t, tg.weight(node), param=decided(node)))
-                elif b is None:
-                    entries.append(RowEntry(t, tg.weight(node)))
-                else:
-                    alive.add(b)
-            for b in sorted(alive):
-                for q in options:
-                    entries += [RowEntry(t, block=b, policy=q) for t in saved_by_block[q][b]]
-            for node, idx in snap.transient:
-                b, t = block_label(node), activation(node, idx)
-                if t is not None:
-                    entries.append(RowEntry(t, 1, b, p if b else None, saved=False))
-            made_again = again.get(p, {}).get(snap.where)
-            for node, idx in made_again.transient if made_again else ():
-                t = activation(node, idx)
-                if t is not None and node in tg.forward_nodes and decided(node) is not None:
-                    entries.append(RowEntry(t, saved=False, param=decided(node), regathered=True))
-            for t, fqn in copies:
-                b = t.block
-                if fqn is not None:  # a parameter's: alive until its block's backward
-                    if _alive_for(b, snap.where):
-                        param = fqn if fqn in free else None
-                        entries.append(RowEntry(t, tg.weight(t.node), param=param))
-                elif b is None:
-                    entries.append(RowEntry(t, tg.weight(t.node)))
-                elif b in alive:
-                    entries.append(RowEntry(t, block=b, policy=p))
+            alive = rows.add_saved(entries, snap)
+            rows.add_transient(entries, p, snap)
+            rows.add_copies(entries, p, snap.where, copies, alive)
             if snap.where != BOUNDARY:
-                # the parameters a block's backward gathers (module docstring)
-                held = {e.term.key for e in entries if e.term.kind == "copy"}
-                for t, fqn, from_param in gathers:
-                    if t.block != snap.where or t.key in held:
-                        continue
-                    if not from_param:
-                        entries.append(RowEntry(t, saved=False))
-                    elif fqn in fixed or fqn in free:  # this unit's and the next one's
-                        param = fqn if fqn in free else None
-                        entry = RowEntry(
-                            t,
-                            1 if snap.where is None else 2,
-                            saved=False,
-                            param=param,
-                            regathered=param is not None,
-                        )
-                        entries.append(entry)
-            if snap.where == BOUNDARY:
-                for out in tg.outputs:
-                    t = activation(*resolve_source(out))
+                rows.add_gathers(entries, snap.where)
+            else:
+                for output in tg.outputs:
+                    t = rows.activation(*resolve_source(output))
                     if t is not None:
                         entries.append(RowEntry(t, LOSS_OUTPUT_COPIES, saved=False))
-            rows.append(MemoryRow(snap.where, p, entries))
-    return rows
+            out.append(MemoryRow(snap.where, p, entries))
+    return out
+
+
+class _Rows:
+    """What every row of `memory_rows` is made from: the replays per policy (and, with
+    units the solver decides, the replays in which they gather again), each block's saved
+    values per policy, the gathers of each block's backward."""
+
+    def __init__(self, tg, table, options, regather: Regather, chain) -> None:
+        self.tg, self.table, self.options, self.chain = tg, table, options, chain
+        fixed, free = regather.fixed, regather.free
+        self.fixed, self.free = fixed, free
+        self.sims = {p: snapshots(tg, p, lambda n: chain.get(n) in fixed) for p in options}
+        self.again = {}  # policy -> moment -> the replay with every decided unit gathering again
+        if free:
+            for p in options:
+                every = snapshots(tg, p, lambda n: chain.get(n) in fixed or chain.get(n) in free)
+                self.again[p] = {snap.where: snap for snap in every}
+        self.saved_by_block: dict[str, dict[str, list[MemoryTerm]]] = {}  # policy -> block
+        for p, snaps in self.sims.items():
+            per: dict[str, list[MemoryTerm]] = defaultdict(list)
+            for node, idx in snaps[0].saved:  # the boundary: everything saved
+                b, t = block_label(node), self.activation(node, idx)
+                if b is not None and t is not None and self.decided(node) is None:
+                    per[b].append(t)
+            self.saved_by_block[p] = per
+        self.gathers = gather_terms(tg, table, chain)
+
+    def decided(self, node) -> str | None:
+        """The parameter whose unit the solver decides, for a value of its chain."""
+        return self.chain[node] if self.chain.get(node) in self.free else None
+
+    def activation(self, node, idx) -> MemoryTerm | None:
+        if node not in self.table.nodes:
+            return None
+        v = _source_value((node, idx))
+        return MemoryTerm(node, idx, float(v.numel() * v.element_size()), "activation")
+
+    def add_saved(self, entries: list[RowEntry], snap) -> set[str]:
+        """The values saved then; returns the blocks whose saved values are alive."""
+        alive: set[str] = set()
+        for node, idx in snap.saved:
+            b, t = block_label(node), self.activation(node, idx)
+            if t is None:
+                continue
+            if self.decided(node) is not None:  # kept: counts while its unit keeps
+                entries.append(RowEntry(t, self.tg.weight(node), param=self.decided(node)))
+            elif b is None:
+                entries.append(RowEntry(t, self.tg.weight(node)))
+            else:
+                alive.add(b)
+        for b in sorted(alive):
+            for q in self.options:
+                entries += [RowEntry(t, block=b, policy=q) for t in self.saved_by_block[q][b]]
+        return alive
+
+    def add_transient(self, entries: list[RowEntry], p: str, snap) -> None:
+        """The values alive only around then, and those a decided unit makes again."""
+        for node, idx in snap.transient:
+            b, t = block_label(node), self.activation(node, idx)
+            if t is not None:
+                entries.append(RowEntry(t, 1, b, p if b else None, saved=False))
+        made_again = self.again.get(p, {}).get(snap.where)
+        for node, idx in made_again.transient if made_again else ():
+            t = self.activation(node, idx)
+            if t is not None and node in self.tg.forward_nodes and self.decided(node) is not None:
+                entries.append(RowEntry(t, saved=False, param=self.decided(node), regathered=True))
+
+    def add_copies(self, entries: list[RowEntry], p: str, where, copies, alive: set[str]) -> None:
+        """The copies kept on edges into saved views (module docstring)."""
+        for t, fqn in copies:
+            b = t.block
+            if fqn is not None:  # a parameter's: alive until its block's backward
+                if _alive_for(b, where):
+                    param = fqn if fqn in self.free else None
+                    entries.append(RowEntry(t, self.tg.weight(t.node), param=param))
+            elif b is None:
+                entries.append(RowEntry(t, self.tg.weight(t.node)))
+            elif b in alive:
+                entries.append(RowEntry(t, block=b, policy=p))
+
+    def add_gathers(self, entries: list[RowEntry], where) -> None:
+        """The parameters a block's backward gathers (module docstring)."""
+        held = {e.term.key for e in entries if e.term.kind == "copy"}
+        for t, fqn, from_param in self.gathers:
+            if t.block != where or t.key in held:
+                continue
+            if not from_param:
+                entries.append(RowEntry(t, saved=False))
+            elif fqn in self.fixed or fqn in self.free:  # this unit's and the next one's
+                param = fqn if fqn in self.free else None
+                count = 1 if where is None else 2
+                entries.append(
+                    RowEntry(t, count, saved=False, param=param, regathered=param is not None)
+                )
 
 
 def recomputed_values(
