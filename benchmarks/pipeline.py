@@ -5,9 +5,10 @@ one interleaved run.
     .venv/bin/python benchmarks/pipeline.py [--steps 8] [--rounds 2]
 
 Debug Llama 3, seq 256, global batch 8, microbatches of one sequence, fp32, eager, gloo.
-Three meshes and schedules: pp 2 x FSDP 2 (1F1B), pp 2 x TP 2 (Interleaved1F1B, two
-stages a rank), pp 4 (GPipe); and the planner choosing the pipeline degree, the schedule
-and the other degrees itself (`auto`; the mesh search's table is in its log).  Per
+Four meshes and schedules: pp 2 x FSDP 2 (1F1B), pp 2 x TP 2 (Interleaved1F1B, two
+stages a rank), pp 4 (GPipe), pp 2 x TP 2 (ZBVZeroBubble, V-shaped: two stages a rank);
+and the planner choosing the pipeline degree, the schedule, the microbatch size and the
+other degrees itself (`auto`; the mesh search's table is in its log).  Per
 configuration: tokens/s (median over rounds of the
 median steady step), rank 0's steady peak RSS, and rank 0's collectives at step 3 counted
 with torch.profiler: the pipeline's point-to-point sends and receives, and all of them.
@@ -23,11 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib import Config, measure, write_table  # noqa: E402
 
-SEARCHED = "planned, pp / schedule / tp auto"
+SEARCHED = "planned, pp / schedule / microbatch / tp auto"
 MESHES = [
     ("pp2 x dp2, 1F1B", ["2", "1F1B", "2", "1", "4"]),
     ("pp2 x tp2, Interleaved1F1B", ["2", "Interleaved1F1B", "1", "2", "8"]),
     ("pp4, GPipe", ["4", "GPipe", "1", "1", "8"]),
+    ("pp2 x tp2, ZBVZeroBubble", ["2", "ZBVZeroBubble", "1", "2", "8"]),
 ]
 
 
@@ -61,7 +63,13 @@ def main() -> None:
         for who, model in (("hand-written", "llama3"), ("planned", "llama3_auto_parallel"))
     ]
     configs.append(
-        Config(SEARCHED, args("llama3_auto_parallel", "auto", "auto", "-1", "auto", "2"))
+        Config(
+            SEARCHED,
+            [
+                *args("llama3_auto_parallel", "auto", "auto", "-1", "auto", "2"),
+                *("--parallelism.pipeline_parallel_microbatch_size", "auto"),
+            ],
+        )
     )
     results = measure(
         configs,

@@ -244,3 +244,16 @@ def test_bad_pipeline_settings_are_one_line_before_ranks_start(args, message):
         base[1] = given.pop("--model.name")
     extra = [x for option, value in given.items() for x in (option, value)]
     assert preflight(2, [*base, *extra]) == message
+
+
+def test_hand_written_zero_bubble_with_data_parallelism_is_refused():
+    """Hand-written FSDP stages under a zero-bubble schedule train away from one rank's
+    losses (torch 2.13); refused before any rank starts, the planned spec accepted."""
+    args = _pp(2, "ZBVZeroBubble", shard=2, local_batch=2)
+    assert preflight(4, args) == (
+        "--parallelism.pipeline_parallel_schedule ZBVZeroBubble with data parallelism "
+        "(degree 2): the FSDP stages' gradients differ from one process's under torch's "
+        "zero-bubble weight step; use 1F1B or Interleaved1F1B, or --model.name "
+        "llama3_auto_parallel (its stages are exact under it)"
+    )
+    assert preflight(4, _pp(2, "ZBVZeroBubble", shard=2, local_batch=2, model=AUTO)) is None

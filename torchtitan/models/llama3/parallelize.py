@@ -37,7 +37,17 @@ def check_llama_parallelism(
     """What Megatron-style TP and DDP need of the mesh (see `TrainSpec.check_parallelism_fn`):
     the tp degree divides heads, kv-heads, dim, the SwiGLU width, the vocabulary (when the
     loss is vocabulary-parallel) and the sequence (sequence parallelism); DDP is not
-    combined with TP."""
+    combined with TP; a zero-bubble pipeline schedule has no data-parallel dim."""
+    schedule = job_config.parallelism.pipeline_parallel_schedule
+    if parallel_dims.pp > 1 and parallel_dims.dp_degree > 1 and "zerobubble" in schedule.lower():
+        # measured: pp 2 x dp_shard 2 (or dp_replicate 2) under ZBVZeroBubble trains to a
+        # step-2 loss of 8.1515 where one rank (and 1F1B on that mesh) gives 8.1510
+        raise UserInputError(
+            f"--parallelism.pipeline_parallel_schedule {schedule} with data parallelism "
+            f"(degree {parallel_dims.dp_degree}): the FSDP stages' gradients differ from one "
+            "process's under torch's zero-bubble weight step; use 1F1B or Interleaved1F1B, "
+            "or --model.name llama3_auto_parallel (its stages are exact under it)"
+        )
     parallel_dims.check_tensor_parallel_sizes(
         model_args.tensor_parallel_sizes(),
         job_config.training.seq_len,
