@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from torchtitan.autoparallel.execute.executor import LoweredExecutor
+from torchtitan.autoparallel.execute.executor import LoweredExecutor, _ScaleGrad
 from torchtitan.autoparallel.execute.interpret import PlanInterpreter
 
 
@@ -27,8 +27,9 @@ def use_reference_executor(pm) -> None:
 
 
 class DTensorReference(LoweredExecutor):
-    """Same inputs and outputs as the lowered executor (wrapping, mean-gradient scaling),
-    the plan interpreted over DTensors in between."""
+    """Same inputs and outputs as the lowered executor (wrapping; the outputs' gradients
+    scaled by 1 / batch ranks, which the lowered executor does inside its backward), the
+    plan interpreted over DTensors in between."""
 
     def __init__(self, interp: PlanInterpreter):
         super().__init__(interp, kept=None, recompute={}, units=[])
@@ -54,7 +55,9 @@ class DTensorReference(LoweredExecutor):
             outs = [
                 interp.redistribute(env[n], interp.output_pls[i]) for i, n in enumerate(tg.outputs)
             ]
-        return [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+        outs = [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+        scale = 1.0 / interp.batch_ranks()
+        return [_ScaleGrad.apply(o, scale) if scale != 1.0 and o.requires_grad else o for o in outs]
 
     def run_nodes(self, nodes: list[fx.Node], env: dict, device) -> None:
         for node in nodes:
