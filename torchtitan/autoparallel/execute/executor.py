@@ -122,9 +122,11 @@ class _PlanFunction(torch.autograd.Function):
         res: list = [None] * lp.n_in
         for slot, g in zip(lp.grad_slots, out):
             res[slot] = g
-        ctx.grads, ctx.weight_grads = grads, list(res)
-        for slot in lp.grad_slots[len(lp.partition.grad_names) :]:
-            ctx.weight_grads[slot] = None
+        ctx.grads = ctx.weight_grads = None
+        if lp.partition.input_grads:  # a pipeline stage: a weight step may follow (below)
+            ctx.grads, ctx.weight_grads = grads, list(res)
+            for slot in lp.grad_slots[len(lp.partition.grad_names) :]:
+                ctx.weight_grads[slot] = None
         return (None, None, *res)
 
 
@@ -133,7 +135,9 @@ def _weight_step(ctx, grads: tuple) -> list:
     (`torch.distributed.pipelining`: one pass for the inputs' gradients, a later one from
     the same output gradients for the parameters').  The lowered backward computed both
     in the first pass; this hands back its parameters' gradients, once, and refuses any
-    other second pass (other output gradients would need the saved values, freed)."""
+    other second pass (other output gradients would need the saved values, freed).  Only
+    a module that returns an input's gradient (a pipeline stage) keeps them for it: any
+    other would hold its output gradients as long as its outputs live."""
     same = ctx.weight_grads is not None and all(
         (a is None) == (b is None) and (a is None or a is b or torch.equal(a, b))
         for a, b in zip(grads, ctx.grads)
