@@ -80,6 +80,8 @@ DataDependentOutputException, FakeTensorMode = _require(
 (compile_session_context,) = _require("torch.compiler", "_compile_session_context")
 # a module whose inputs inductor's compile_fx takes as one list it empties (boxed call)
 (GmWrapper,) = _require("torch._dynamo.utils", "GmWrapper")
+# the tracing context whose fake mode's shape env inductor's FX graph cache requires
+TracingContext, tracing = _require("torch._guards", "TracingContext", "tracing")
 
 # DTensor's redistribution-cost helper, which strategy enumeration calls and the planner
 # replaces while enumerating (strategies.py prices edges itself).  Each strategy module

@@ -294,6 +294,24 @@ def test_a_compiled_graph_is_called_boxed_and_lets_go_of_its_inputs():
     torch.testing.assert_close(out[1], b * 2)
 
 
+def test_a_compiled_graph_is_read_from_inductors_cache_when_compiled_again(
+    tmp_path, monkeypatch
+):
+    """A second compile of the same graph (a warm restart) loads the first one's code from
+    inductor's FX graph cache instead of generating it again."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    a = torch.randn(8, 8)
+    gm = make_fx(lambda x: (torch.tanh(x).cumsum(0),))(a)
+    before = dict(counters["inductor"])
+    for _ in range(2):
+        out = InductorOnFirstCall(gm, {})([a.clone()])
+        torch.testing.assert_close(out[0], torch.tanh(a).cumsum(0))
+    delta = {k: v - before.get(k, 0) for k, v in counters["inductor"].items()}
+    assert delta.get("fxgraph_cache_miss") == 1 and delta.get("fxgraph_cache_hit") == 1, delta
+
+
 def _saved(lp) -> list:
     out = next(n for n in lp.partition.fwd.graph.nodes if n.op == "output")
     return [n for n in out.args[0][lp.n_out :] if n.op != "placeholder"]

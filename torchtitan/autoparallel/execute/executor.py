@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from torchtitan.torch_private import GmWrapper, pytree
+from torchtitan.torch_private import FakeTensorMode, GmWrapper, TracingContext, pytree, tracing
 
 from ..errors import PlannerError
 from .buckets import bucket_collectives
@@ -169,7 +169,12 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
 
 class InductorOnFirstCall:
     """`gm` compiled by inductor when first called (its example inputs are the first call's),
-    then called boxed: the list of inputs is emptied as the compiled code runs."""
+    then called boxed: the list of inputs is emptied as the compiled code runs.
+
+    The example inputs are fake tensors of static shapes in a tracing context whose fake
+    mode has a shape env, as dynamo hands them to inductor: without one, inductor's FX graph
+    cache bypasses every graph ("No shape env") and a warm start generates all code again.
+    The cache key holds the graph's code, process-group names included."""
 
     def __init__(self, gm: fx.GraphModule, options: dict):
         self.gm, self.options = gm, options
@@ -177,17 +182,24 @@ class InductorOnFirstCall:
 
     def __call__(self, args: list) -> Any:
         if self.compiled is None:
-            from torch._inductor.compile_fx import compile_fx
-
-            examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            with torch.no_grad():
-                compiled = compile_fx(
-                    GmWrapper(self.gm, list), examples, config_patches=self.options or None
-                )
-            assert callable(compiled), compiled
-            self.compiled = compiled
-            del examples  # else the first call would hold every input until it returns
+            self.compiled = self._compile(args)
         return self.compiled(args)
+
+    def _compile(self, args: list) -> Callable[[list], Any]:
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        examples = [
+            fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+        with torch.no_grad(), tracing(TracingContext(fake_mode)):
+            compiled = compile_fx(
+                GmWrapper(self.gm, list), examples, config_patches=self.options or None
+            )
+        assert callable(compiled), compiled
+        return compiled
 
 
 class _OnMeta(torch.autograd.Function):
