@@ -191,7 +191,9 @@ class InductorOnFirstCall:
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         examples = [
-            fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+            fake_mode.from_tensor(a.detach(), static_shapes=True)
+            if isinstance(a, torch.Tensor)
+            else a
             for a in args
         ]
         with torch.no_grad(), tracing(TracingContext(fake_mode)):
