@@ -294,9 +294,7 @@ def test_a_compiled_graph_is_called_boxed_and_lets_go_of_its_inputs():
     torch.testing.assert_close(out[1], b * 2)
 
 
-def test_a_compiled_graph_is_read_from_inductors_cache_when_compiled_again(
-    tmp_path, monkeypatch
-):
+def test_a_compiled_graph_is_read_from_inductors_cache_when_compiled_again(tmp_path, monkeypatch):
     """A second compile of the same graph (a warm restart) loads the first one's code from
     inductor's FX graph cache instead of generating it again."""
     from torch._dynamo.utils import counters
