@@ -80,6 +80,11 @@ DataDependentOutputException, FakeTensorMode = _require(
 (compile_session_context,) = _require("torch.compiler", "_compile_session_context")
 # a module whose inputs inductor's compile_fx takes as one list it empties (boxed call)
 (GmWrapper,) = _require("torch._dynamo.utils", "GmWrapper")
+# graph modules that generate their Python code when first called, not when built (the
+# lowering's intermediate graphs are never called)
+make_graph_module, use_lazy_graph_module = _require(
+    "torch.fx._lazy_graph_module", "_make_graph_module", "_use_lazy_graph_module"
+)
 # the tracing context whose fake mode's shape env inductor's FX graph cache requires
 TracingContext, tracing = _require("torch._guards", "TracingContext", "tracing")
 

@@ -183,7 +183,7 @@ def test_local_formats(tmp_path, layout, tokenizer):
         pq.write_table(pa.table({"text": DOCS[8:]}), path / "sub" / "c.parquet")
         (path / ".hidden.txt").write_text("ignored")
         (path / "notes.md").write_text("ignored")
-    assert load_local_dataset(str(path))["text"] == DOCS
+    assert list(load_local_dataset(str(path)).texts) == DOCS
     loader = build_hf_dataloader(1, 0, tokenizer, _job_config(str(path)))
     assert next(iter(loader))[1].shape == (2, 8)
 
@@ -373,7 +373,7 @@ def test_utf8_bom_and_crlf_are_accepted(tmp_path):
     path.write_bytes(
         b"\xef\xbb\xbf" + b"".join(json.dumps({"text": t}).encode() + b"\r\n" for t in DOCS)
     )
-    assert load_local_dataset(str(path))["text"] == DOCS
+    assert list(load_local_dataset(str(path)).texts) == DOCS
 
 
 # ---------------------------------------------------------------------------------------

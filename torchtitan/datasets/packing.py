@@ -2,7 +2,7 @@
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
@@ -46,8 +46,6 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         infinite: bool = False,
         local_batch_size: int = 1,
     ):
-        import datasets
-
         path, config = resolve_dataset(dataset_name, dataset_path)
         logger.info("Preparing dataset %s from %s", dataset_name, path)
         data = config.loader(path)
@@ -59,7 +57,9 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         self._dp_rank = dp_rank
         self._dp_world_size = dp_world_size
         self._local_batch_size = local_batch_size
-        self._map_style = isinstance(self._data, datasets.Dataset)
+        # map-style (a `datasets.Dataset`, local documents): a length and rows by position;
+        # else an iterable one (a streamed hub dataset) with its own epoch and state
+        self._map_style = isinstance(self._data, Sized)
         self._text_processor = config.text_processor
         self._tokenizer = tokenizer
 
@@ -71,8 +71,8 @@ class HuggingFaceDataset(IterableDataset, Stateful):
     def _documents(self) -> Iterator[dict[str, Any]]:
         """The remaining documents of the current epoch."""
         if self._map_style:
-            if self._sample_idx < len(self._data):  # select() rejects an empty range at the end
-                yield from self._data.select(range(self._sample_idx, len(self._data)))
+            for i in range(self._sample_idx, len(self._data)):
+                yield self._data[i]
         else:
             self._data.set_epoch(self._epoch)
             yield from self._data

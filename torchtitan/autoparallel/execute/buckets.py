@@ -45,6 +45,8 @@ from typing import cast
 import torch
 import torch.fx as fx
 
+from torchtitan.torch_private import make_graph_module
+
 from ..graph.nodes import arg_node, param_side
 from ..policies.units import unit_of
 from .lower import Partition
@@ -376,7 +378,7 @@ class _GraphBuckets:
         for n in emitted:
             env[n] = g.node_copy(n, env.__getitem__)
         g.lint()
-        return fx.GraphModule(self.gm, g)
+        return make_graph_module(self.gm, g)
 
 
 def _topological(nodes: list[fx.Node], key: dict | None = None) -> list[fx.Node]:

@@ -26,7 +26,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from torchtitan.torch_private import FakeTensorMode, GmWrapper, TracingContext, pytree, tracing
+from torchtitan.torch_private import (
+    FakeTensorMode,
+    GmWrapper,
+    TracingContext,
+    pytree,
+    tracing,
+    use_lazy_graph_module,
+)
 
 from ..errors import PlannerError
 from .buckets import bucket_collectives
@@ -61,13 +68,20 @@ class LoweredPlan:
             tangent_locals.append(torch.empty(shape, dtype=dtype, device=device))
             self.tangent_slots.append(i)
         self.out_like = out_vals
-        joint = lower_joint(
-            interp, keys + tangent_keys, placements + tangent_pls, locals_ + tangent_locals, device
-        )
-        part = partition(
-            joint, executor.kept, executor.recompute, fuse_recompute=compile_options is not None
-        )
-        self.stats = bucket_collectives(part, executor.units)
+        # the joint graph and the passes' intermediate graphs are never called: their Python
+        # code is generated only for the two graphs that run, on their first call
+        with use_lazy_graph_module(True):
+            joint = lower_joint(
+                interp,
+                keys + tangent_keys,
+                placements + tangent_pls,
+                locals_ + tangent_locals,
+                device,
+            )
+            part = partition(
+                joint, executor.kept, executor.recompute, fuse_recompute=compile_options is not None
+            )
+            self.stats = bucket_collectives(part, executor.units)
         log.info(
             "lowered graphs%s: collectives forward %s, backward %s",
             " (to compile)" if compile_options is not None else "",

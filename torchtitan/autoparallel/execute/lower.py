@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from torchtitan.torch_private import make_graph_module
+
 from ..errors import PlannerError
 from ..graph.nodes import param_side
 from ..policies.recompute import (
@@ -272,4 +274,4 @@ def _subgraph(
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     g.lint()
-    return fx.GraphModule(gm, g)
+    return make_graph_module(gm, g)
