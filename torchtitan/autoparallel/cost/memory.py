@@ -143,12 +143,16 @@ def _base(src):
     return node, idx
 
 
-def _saved(tg: TracedGraph, policy: str) -> tuple[list, set[fx.Node]]:
+def _saved(tg: TracedGraph, policy: str) -> tuple[list, list[fx.Node]]:
     """(node, output index) of every saved forward tensor when every block follows `policy`,
-    and the nodes the blocks recompute."""
+    and the nodes the blocks recompute, in graph order (the program's columns are made in
+    this order: an order that followed node hashes, i.e. addresses, would make the same
+    program differ from one run to the next)."""
     rule = recompute_rule(policy, parameter_valued(tg), lambda n: False)
     saved, recomputed = split_saved(backward_reads(tg), rule)
-    return list(dict.fromkeys(resolve_source(n) for n in saved)), set(recomputed)
+    return list(dict.fromkeys(resolve_source(n) for n in saved)), [
+        n for n in tg.gm.graph.nodes if n in recomputed
+    ]
 
 
 def saved_view_inputs(
