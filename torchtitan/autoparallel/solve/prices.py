@@ -82,8 +82,10 @@ class GraphPrices:
         sink: bool = False,
         bucketed: bool = False,
     ) -> list:
-        """(emitted, required, cost) of the redistributions an edge may use; memoised, as
-        repeated layers ask the same question many times.  Edges into a sink (a gradient
+        """(index into `emitted`, index into `required`, cost, whether the placement changes)
+        of each redistribution an edge may use; memoised, as repeated layers ask the same
+        question many times (indices, not placements: the program files each pair under
+        both ends, and placements hash slowly).  Edges into a sink (a gradient
         leaving in its parameter's placement, an output in its pinned one) may take any
         number of steps: there are few of them, and a gradient that is partial on two mesh
         dims (a sequence-parallel norm's weight under FSDP) needs two collectives.
@@ -92,9 +94,9 @@ class GraphPrices:
         hit = self._pair_memo.get(key)
         if hit is None:
             hit = self._pair_memo[key] = [
-                (o, r, c)
-                for o in emitted
-                for r in required
+                (i, j, c, o != r)
+                for i, o in enumerate(emitted)
+                for j, r in enumerate(required)
                 if (o == r or not frozen)
                 and (sink or direct(o, r))
                 and (c := self.est.comm_us(o, r, shape, elem_size, bucketed)) != INF

@@ -124,6 +124,7 @@ class PlacementProgram:
         self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
         self.sink_vars: dict[int, dict[P.Placements, int]] = {}
         self.grad_vars: dict[str, dict[P.Placements, int]] = {}
+        self._fractions: dict[tuple, list[float]] = {}  # term_fractions, copy_fractions
         self.recompute = RecomputeChoices(self, recompute)
         self.regather = RegatherChoices(self, regather)
 
@@ -183,8 +184,9 @@ class PlacementProgram:
         pair_vars: list = []
         for key in members:
             self.edge_pair_vars[key] = pair_vars
-        rows_o = {o: [(v, -1.0) for v in xs] for o, xs in prod.items()}
-        rows_r = {r: [(v, -1.0) for v in xs] for r, xs in cons_groups.items()}
+        emitted, required = tuple(prod), tuple(cons_groups)
+        rows_o = [[(v, -1.0) for v in xs] for xs in prod.values()]
+        rows_r = [[(v, -1.0) for v in xs] for xs in cons_groups.values()]
         frozen = any(k in self.prices.no_comm_edges for k in members)
         count = sum(self.member_weight(k) for k in members)
         first = members[0]
@@ -206,25 +208,21 @@ class PlacementProgram:
         # the executor buckets a unit's parameter gathers and its gradient reductions
         bucketed = (src[0] in self.pside and not exposed) or isinstance(first, GradEdge)
         pairs = self.prices.pairs(
-            tuple(prod),
-            tuple(cons_groups),
-            tuple(val.shape),
-            val.element_size(),
-            frozen,
-            sink,
-            bucketed,
+            emitted, required, tuple(val.shape), val.element_size(), frozen, sink, bucketed
         )
         scale = (1.0 - self.eta) if overlappable else 1.0
-        ys = m.vars([(c * scale + (TIE_BREAK_US if o != r else 0.0)) * count for o, r, c in pairs])
+        ys = m.vars(
+            [(c * scale + (TIE_BREAK_US if moves else 0.0)) * count for *_, c, moves in pairs]
+        )
         if overlappable:
             self.overlapped.update(ys)
-        for y, (o, r, c) in zip(ys, pairs):
+        for y, (i_o, i_r, c, _moves) in zip(ys, pairs):
             self.edge_vars.append((members, y, c))
             self.pair_cost[y] = c
-            pair_vars.append((y, o, r))
-            rows_o[o].append((y, 1.0))
-            rows_r[r].append((y, 1.0))
-        for terms in list(rows_o.values()) + list(rows_r.values()):
+            pair_vars.append((y, emitted[i_o], required[i_r]))
+            rows_o[i_o].append((y, 1.0))
+            rows_r[i_r].append((y, 1.0))
+        for terms in rows_o + rows_r:
             m.row(terms, 0.0, 0.0)
 
     def add_edges(self) -> None:
@@ -398,7 +396,7 @@ class PlacementProgram:
 
     def _row_terms(self, entries: list, coef: float) -> list[tuple[int, float]]:
         """One row's entries as (column, bytes x `coef`) terms."""
-        table, rc = self.table, self.recompute
+        rc = self.recompute
         terms: list[tuple[int, float]] = []
         copies: set = set()
         for e in entries:
@@ -419,8 +417,7 @@ class PlacementProgram:
                 if mult:
                     self._copy_terms(t, mult * coef, terms)
                 continue
-            for s in range(len(self.xvars[t.node])):
-                frac = term_fraction(t, table, s)
+            for s, frac in enumerate(self.term_fractions(t)):
                 if not frac:
                     continue
                 col, mult = rc.entry_column(e, s)
@@ -429,14 +426,36 @@ class PlacementProgram:
         return terms
 
     def _copy_terms(self, t: MemoryTerm, coef: float, terms: list) -> None:
-        table = self.table
-        src = table.nodes[t.node].sources[t.copied_input]
-        on_edge = self.edge_pair_vars.get(ConsumerEdge(t.node, t.copied_input), [])
-        on_hub = self.edge_pair_vars.get(HubEdge(src[0], src[1]), [])
-        for y, o, r in on_edge + on_hub:
-            f = copy_fraction(t, table, o, r)
-            if f:
-                terms.append((y, t.full_bytes * f * coef))
+        for edge in self.copy_edges(t):
+            for (y, _o, _r), f in zip(
+                self.edge_pair_vars.get(edge, []), self.copy_fractions(t, edge)
+            ):
+                if f:
+                    terms.append((y, t.full_bytes * f * coef))
+
+    # a term's fractions are the same in every memory row (there are many): computed once
+    def term_fractions(self, t: MemoryTerm) -> list[float]:
+        """Local fraction of "param"/"activation" term `t` under each strategy of its node."""
+        fractions = self._fractions.get(t.key)
+        if fractions is None:
+            n = len(self.xvars[t.node])
+            fractions = [term_fraction(t, self.table, s) for s in range(n)]
+            self._fractions[t.key] = fractions
+        return fractions
+
+    def copy_edges(self, t: MemoryTerm) -> tuple[EdgeKey, EdgeKey]:
+        """The edge whose redistribution holds copy term `t`'s copy, and its value's hub."""
+        src = self.table.nodes[t.node].sources[t.copied_input]
+        return ConsumerEdge(t.node, t.copied_input), HubEdge(src[0], src[1])
+
+    def copy_fractions(self, t: MemoryTerm, edge: EdgeKey) -> list[float]:
+        """Local fraction of copy term `t` held under each pair of `edge` (`edge_pair_vars`)."""
+        fractions = self._fractions.get((t.key, edge))
+        if fractions is None:
+            pairs = self.edge_pair_vars.get(edge, [])
+            fractions = [copy_fraction(t, self.table, o, r) for _y, o, r in pairs]
+            self._fractions[(t.key, edge)] = fractions
+        return fractions
 
     # ---------------------------------------------------------------- reading the answer
     def solution(

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cost.liveness import backward_reads, parameter_valued
-from ..cost.memory import RowEntry, copy_fraction, param_chains, term_fraction
-from ..graph.edge_keys import ConsumerEdge, HubEdge
+from ..cost.memory import RowEntry, param_chains
+from ..graph.edge_keys import ConsumerEdge
 from ..policies.recompute import recompute_rule, split_saved
 from ..policies.regather import Regather
 
@@ -106,23 +106,20 @@ class RegatherChoices:
         t, mode = entry.term, "again" if entry.regathered else "keep"
         param = entry.param
         assert param is not None  # decides(entry)
-        prog, table = self.p, self.p.table
+        prog = self.p
         if t.kind != "copy":
             xs = prog.xvars[prog.rep[t.node]]
             grid = self._product(xs, param)
-            for s in range(len(xs)):
-                frac = term_fraction(t, table, s)
+            for s, frac in enumerate(prog.term_fractions(t)):
                 if frac:
                     terms.append((grid[s, mode], t.full_bytes * frac * coef))
             return
-        src = table.nodes[t.node].sources[t.copied_input]
-        for key in (ConsumerEdge(t.node, t.copied_input), HubEdge(src[0], src[1])):
+        for key in prog.copy_edges(t):
             pairs = prog.edge_pair_vars.get(key, [])
             if not pairs:
                 continue
             grid = self._product([y for y, _o, _r in pairs], param)
-            for i, (_y, o, r) in enumerate(pairs):
-                f = copy_fraction(t, table, o, r)
+            for i, f in enumerate(prog.copy_fractions(t, key)):
                 if f:
                     terms.append((grid[i, mode], t.full_bytes * f * coef))
 
