@@ -198,6 +198,28 @@ def test_equal_steps_are_settled_by_the_tie_break():
     assert most_tp.best.mesh == replicate8
 
 
+def test_meshes_of_one_shape_share_their_strategies_and_solve_as_alone():
+    """The strategies of a mesh whose shape an earlier candidate had are the memo's (no op
+    queried again) and equal a fresh build's; the search's steps equal solving each alone."""
+    model, shape = meta_mlp(64, 128), (8, 16, 64)
+    dp4_rep2 = MeshCandidate(("dp_shard", "dp_replicate"), (4, 2))
+    mesh = planning_mesh("cpu", DP4_TP2.shape, DP4_TP2.names)
+    with AutoParallel(model, lambda: torch.randn(*shape), mesh, cost_model="h100") as autop:
+        result = search_meshes(autop, [DP4_TP2, dp4_rep2], constrain_with())
+        again = autop.on_mesh(planning_mesh("cpu", (4, 2), dp4_rep2.names))
+        again.prepare()
+        assert again._strategies().table.memo_misses == 0
+    with AutoParallel(model, lambda: torch.randn(*shape), mesh, cost_model="h100") as fresh:
+        fresh.prepare()
+        alone = fresh._strategies().table
+        assert alone.memo_misses > 0
+    shared = again._strategies().table
+    assert [ns.strategies for ns in shared.nodes.values()] == [
+        ns.strategies for ns in alone.nodes.values()
+    ]
+    assert_matches_independent_solves(result, model, shape, "h100")
+
+
 def test_candidate_whose_batch_cannot_split_is_reported_and_the_rest_compete():
     model, shape = meta_mlp(64, 128), (4, 16, 64)  # a batch of 4 on 8 data ranks
     result = search(model, shape, [DP8, DP4_TP2], "h100")

@@ -186,6 +186,8 @@ class AutoParallel:
         self._constraints: list[UserConstraint] = []
         self._trace: PlanningTrace | None = None
         self._mesh_stage: Candidates | None = None
+        # strategy memos per mesh shape, shared with the `on_mesh` planners of this trace
+        self._strategy_memos: dict[tuple[int, ...], dict] = {}
 
     # ------------------------------------------------------------------ stage 1: trace
     def __enter__(self) -> AutoParallel:
@@ -254,7 +256,11 @@ class AutoParallel:
     def _strategies(self) -> Candidates:
         if self._mesh_stage is None:
             self._mesh_stage = Candidates.build(
-                self._require_entered().tg, self.mesh, self.cost_model, self.param_dtype
+                self._require_entered().tg,
+                self.mesh,
+                self.cost_model,
+                self.param_dtype,
+                self._strategy_memos.setdefault(tuple(self.mesh.shape), {}),
             )
             self.timings.update(self._mesh_stage.timings)
         return self._mesh_stage

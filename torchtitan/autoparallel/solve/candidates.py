@@ -36,9 +36,11 @@ class Candidates:
         mesh: DeviceMesh,
         cost_model: CostModel,
         param_dtype: torch.dtype | None,
+        memo: dict | None = None,
     ) -> Candidates:
+        """`memo`: `build_strategies`'s, shared by the meshes of one shape."""
         t = time.perf_counter()
-        table = build_strategies(tg, mesh)
+        table = build_strategies(tg, mesh, memo)
         timings = {"strategies": time.perf_counter() - t}
         log.info(
             "%d nodes; strategies in %.2fs (memo %d hits / %d misses)",

@@ -124,12 +124,12 @@ def _tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
 class StrategyBuilder:
     """Enumerates strategies for all nodes of a traced graph on one mesh."""
 
-    def __init__(self, tg: TracedGraph, mesh: DeviceMesh):
+    def __init__(self, tg: TracedGraph, mesh: DeviceMesh, memo: dict | None = None):
         self.tg = tg
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
         self.prop = DTensor._op_dispatcher.sharding_propagator
-        self.memo: dict[Any, list[Strategy]] = {}
+        self.memo: dict[Any, list[Strategy]] = {} if memo is None else memo
         self.table = StrategyTable(self.mesh_shape)
 
     # ---- candidates a producer can hand to a consumer ----
@@ -443,6 +443,10 @@ def _no_dtensor_costs():
             mod.generate_redistribute_costs = fn
 
 
-def build_strategies(tg: TracedGraph, mesh: DeviceMesh) -> StrategyTable:
+def build_strategies(tg: TracedGraph, mesh: DeviceMesh, memo: dict | None = None) -> StrategyTable:
+    """The strategy table of `tg` on `mesh`.  `memo` (filled as it goes) may be shared by the
+    builds of one graph on meshes of the same shape: an op's strategies depend on the mesh's
+    shape only (the mesh search plans several meshes of one shape, e.g. dp_shard 2 x tp 2
+    and dp_replicate 2 x tp 2)."""
     with _no_dtensor_costs():
-        return StrategyBuilder(tg, mesh).build()
+        return StrategyBuilder(tg, mesh, memo).build()
