@@ -36,29 +36,36 @@ from torch.utils.flop_counter import register_flop_formula
 _aten = torch.ops.aten
 
 
-def _output_strides(q: Tensor, shape: torch.Size) -> tuple[int, ...]:
-    """The output's strides: q's memory layout (as torch's fused CPU kernel writes it) when
-    the shapes agree, else contiguous.  A model's q is usually a transpose of a
-    [batch, seq, heads, head_dim] tensor; so is the output then, and the transpose back that
-    merges the heads copies nothing."""
-    if tuple(shape) == tuple(q.shape):
-        return torch.empty_like(q, device="meta").stride()
+def _output_strides(like: Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a result of `shape` made from `like`: `like`'s memory layout (as
+    torch's fused CPU kernels write their output and gradients) when the shapes agree, else
+    contiguous.  A model's q is usually a transpose of a [batch, seq, heads, head_dim]
+    tensor; so are the output and q's gradient then, and the transposes back that merge
+    the heads copy nothing."""
+    if tuple(shape) == tuple(like.shape):
+        return torch.empty_like(like, device="meta").stride()
     return torch.empty(shape, device="meta").stride()
 
 
-def _laid_out_like_q(out: Tensor, q: Tensor) -> Tensor:
-    """`out` with exactly `_output_strides` (a copy only where the kernel wrote another)."""
-    strides = _output_strides(q, out.shape)
-    if out.stride() == strides:
-        return out
-    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
+    """`t` with exactly `_output_strides` (a copy only where the kernel wrote another)."""
+    strides = _output_strides(like, t.shape)
+    if t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _grads_laid_out(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k, v, each in its input's layout (`sdpa_backward`'s contract)."""
+    dq, dk, dv = grads
+    return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
 
 
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-    return _laid_out_like_q(out, q), q.new_zeros(q.shape[:-1], dtype=torch.float32)  # unset
+    return _laid_out_like(out, q), q.new_zeros(q.shape[:-1], dtype=torch.float32)  # unset
 
 
 @torch.library.custom_op("titan::sdpa", mutates_args=())
@@ -86,7 +93,7 @@ def _(q, k, v, mask, is_causal, scale):
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
     )
-    return _laid_out_like_q(out, q), lse.float().contiguous()
+    return _laid_out_like(out, q), lse.float().contiguous()
 
 
 @sdpa.register_fake
@@ -106,7 +113,7 @@ def softmax_attention_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention w.r.t. q, k, v from the textbook formulas (probabilities
-    recomputed in float32), for any device; contiguous."""
+    recomputed in float32), for any device; contiguous (`sdpa_backward` lays them out)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * s
     if mask is not None:
@@ -137,18 +144,22 @@ def sdpa_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `sdpa` w.r.t. q, k, v, from its inputs, output and log-sum-exp (or
-    recomputing the forward where the device's kernel left that unset); outputs contiguous."""
-    return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
+    recomputing the forward where the device's kernel left that unset), each laid out like
+    its input (`_output_strides`)."""
+    return _grads_laid_out(
+        softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale), q, k, v
+    )
 
 
 @sdpa_backward.register_kernel("cpu")
 def _(grad_out, q, k, v, out, lse, mask, is_causal, scale):
     if not _fused_on_cpu(q, k, v):
-        return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
-    grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
-    )
-    return tuple(g.contiguous() for g in grads)
+        grads = softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
+    else:
+        grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+    return _grads_laid_out(grads, q, k, v)
 
 
 @sdpa_backward.register_kernel("cuda")
@@ -160,7 +171,8 @@ def _(grad_out, q, k, v, _out, _lse, mask, is_causal, scale):
         or mask is not None
         or not q.shape[-1] == k.shape[-1] == v.shape[-1]
     ):
-        return softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
+        grads = softmax_attention_backward(grad_out, q, k, v, mask, is_causal, scale)
+        return _grads_laid_out(grads, q, k, v)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _mask = (
         _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
     )
@@ -181,12 +193,12 @@ def _(grad_out, q, k, v, _out, _lse, mask, is_causal, scale):
         offset,
         scale=scale,
     )
-    return tuple(g.contiguous() for g in grads)
+    return _grads_laid_out(grads[:3], q, k, v)
 
 
 @sdpa_backward.register_fake
 def _(grad_out, q, k, v, out, lse, mask, is_causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return tuple(x.new_empty_strided(x.shape, _output_strides(x, x.shape)) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
