@@ -64,8 +64,8 @@ def _no_text(path: str, files: list[Path]) -> AssetError:
 class LocalDocuments:
     """The documents of a local dataset, in order: map-style (a length, and row ``i`` as
     ``{"text": ...}``), as the packing dataset reads them.  Kept as plain strings rather
-    than a ``datasets.Dataset``: importing that library costs every rank of every launch
-    over half a second, and files read directly need none of it."""
+    than a ``datasets.Dataset``: files read directly need nothing of that library, so a
+    launch on local data does not import it."""
 
     texts: tuple[str, ...]
 

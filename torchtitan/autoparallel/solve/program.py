@@ -124,7 +124,10 @@ class PlacementProgram:
         self.hub_vars: dict[tuple, dict[P.Placements, int]] = {}
         self.sink_vars: dict[int, dict[P.Placements, int]] = {}
         self.grad_vars: dict[str, dict[P.Placements, int]] = {}
-        self._fractions: dict[tuple, list[float]] = {}  # term_fractions, copy_fractions
+        # a memory term's local fractions (`term_fractions`), and a copy term's per edge
+        # (`copy_fractions`), by the term's key
+        self._term_fractions: dict[tuple, list[float]] = {}
+        self._copy_fractions: dict[tuple[tuple, EdgeKey], list[float]] = {}
         self.recompute = RecomputeChoices(self, recompute)
         self.regather = RegatherChoices(self, regather)
 
@@ -436,11 +439,11 @@ class PlacementProgram:
     # a term's fractions are the same in every memory row (there are many): computed once
     def term_fractions(self, t: MemoryTerm) -> list[float]:
         """Local fraction of "param"/"activation" term `t` under each strategy of its node."""
-        fractions = self._fractions.get(t.key)
+        fractions = self._term_fractions.get(t.key)
         if fractions is None:
             n = len(self.xvars[t.node])
             fractions = [term_fraction(t, self.table, s) for s in range(n)]
-            self._fractions[t.key] = fractions
+            self._term_fractions[t.key] = fractions
         return fractions
 
     def copy_edges(self, t: MemoryTerm) -> tuple[EdgeKey, EdgeKey]:
@@ -450,11 +453,11 @@ class PlacementProgram:
 
     def copy_fractions(self, t: MemoryTerm, edge: EdgeKey) -> list[float]:
         """Local fraction of copy term `t` held under each pair of `edge` (`edge_pair_vars`)."""
-        fractions = self._fractions.get((t.key, edge))
+        fractions = self._copy_fractions.get((t.key, edge))
         if fractions is None:
             pairs = self.edge_pair_vars.get(edge, [])
             fractions = [copy_fraction(t, self.table, o, r) for _y, o, r in pairs]
-            self._fractions[(t.key, edge)] = fractions
+            self._copy_fractions[(t.key, edge)] = fractions
         return fractions
 
     # ---------------------------------------------------------------- reading the answer
