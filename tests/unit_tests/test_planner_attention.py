@@ -52,6 +52,33 @@ def test_attention_op_matches_sdpa_exactly_on_cpu(causal, q_len, masked):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("v_dim", [8, 4], ids=["fused", "textbook"])
+def test_attention_gradients_come_in_their_inputs_layout_as_the_fake_says(v_dim):
+    """q, k, v as a model makes them (transposes of [batch, seq, heads, head_dim]): each
+    gradient comes back in its input's layout, with the strides the fake kernel gives the
+    trace, so the transposes back that merge the heads copy nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+
+    def heads(d):
+        return torch.randn(2, 16, 4, d).transpose(1, 2)
+
+    q, k, v = heads(8), heads(8), heads(v_dim)
+    out, lse = sdpa(q, k, v, None, True, None)
+    grads = torch.ops.titan.sdpa_backward(
+        torch.randn_like(out), q, k, v, out, lse, None, True, None
+    )
+    assert [g.stride() for g in grads] == [x.stride() for x in (q, k, v)]
+    assert not any(g.is_contiguous() for g in grads)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fout, flse = (mode.from_tensor(t) for t in (q, k, v, out, lse))
+        fake = torch.ops.titan.sdpa_backward(
+            torch.empty_like(fout), fq, fk, fv, fout, flse, None, True, None
+        )
+    assert [g.stride() for g in fake] == [g.stride() for g in grads]
+
+
 class Attn(nn.Module):
     def __init__(self, masked: bool = False, gqa: bool = False):
         super().__init__()
