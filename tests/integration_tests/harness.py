@@ -96,6 +96,26 @@ def native_crash(returncode: int, output: str) -> str | None:
     return found.group(1) if found else None
 
 
+def run_check_script(
+    script: Path, nproc: int, args: list[str], timeout: float
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc script *args` (one OpenMP thread per
+    rank, output captured), repeated once if a rank died of a native signal (module
+    docstring)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(script), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+    res = launch()
+    if signal := native_crash(res.returncode, res.stdout + res.stderr):
+        warnings.warn(f"{script.name}: a rank died of {signal}; run again", stacklevel=2)
+        res = launch()
+    return res
+
+
 # ---- the launcher (`python -m torchtitan.launch`, what run_train.sh runs) ----------------
 def free_port() -> int:
     with socket.socket() as s:

@@ -8,13 +8,8 @@ starts."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import warnings
-
 import pytest
-from harness import REPO, native_crash, run_training
+from harness import REPO, run_check_script, run_training
 
 from torchtitan.tools.loss_compare import assert_losses_close, preflight, read_golden
 
@@ -52,25 +47,9 @@ PP2_DP2 = _pp(2, "1F1B", shard=2, local_batch=2)
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 
 
-def _torchrun(args: list, timeout: int) -> subprocess.CompletedProcess:
-    """One torchrun launch of a check script, repeated once if a rank died of a native
-    signal (as `harness.run_training` does; see harness.py)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-
-    def launch() -> subprocess.CompletedProcess:
-        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
-
-    res = launch()
-    if signal := native_crash(res.returncode, res.stdout + res.stderr):
-        warnings.warn(f"{args[-1]}: a rank died of {signal}; run again", stacklevel=2)
-        res = launch()
-    return res
-
-
 def test_every_gradient_at_every_step_equals_one_process_under_each_schedule():
     script = REPO / "tests/integration_tests/pipeline_grads.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    res = _torchrun([*cmd, str(script), *SCHEDULES], timeout=600)
+    res = run_check_script(script, 2, SCHEDULES, timeout=600)
     passed = {
         line.split(" rank ")[0] for line in res.stdout.splitlines() if line.startswith("PASS")
     }
@@ -171,8 +150,7 @@ def test_a_searched_pipelined_mesh_and_schedule_match_1rank(train_on_ranks):
 )
 def test_planned_stages_give_every_gradient_at_every_step_of_one_process(meshes, tmp_path):
     script = REPO / "tests/integration_tests/planned_pipeline_grads.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    res = _torchrun([*cmd, str(script), str(tmp_path), *meshes], timeout=900)
+    res = run_check_script(script, 4, [str(tmp_path), *meshes], timeout=900)
     mode = "compiled" if "compiled" in meshes else "eager"
     passed = [line for line in res.stdout.splitlines() if line.startswith("PASS")]
     expected = {f"PASS {m} rank {r}" for m in meshes if m != "compiled" for r in range(4)}
