@@ -37,6 +37,7 @@ from torchtitan.torch_private import (
 
 from ..errors import PlannerError
 from .buckets import bucket_collectives
+from .in_place import accumulate_in_place
 from .interpret import PlanInterpreter
 from .lower import lower_joint, partition
 
@@ -99,6 +100,8 @@ class LoweredPlan:
         self.fwd: Callable[[list], Any]
         self.bwd: Callable[[list], Any]
         if compile_options is None:
+            in_place = accumulate_in_place(part.fwd) + accumulate_in_place(part.bwd)
+            log.info("lowered graphs: %d sums written into an operand that dies at them", in_place)
             self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
             self.fwd = InductorOnFirstCall(part.fwd, compile_options)

@@ -1,0 +1,107 @@
+"""Eager lowered graphs write a sum into an operand that dies at it (execute/in_place.py):
+only where nothing else can see the operand change, with the functional graph's results."""
+
+import operator
+
+import pytest
+import torch
+from autoparallel_models import tiny_llama
+from torch.distributed.device_mesh import init_device_mesh
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from torchtitan.autoparallel import AutoParallel
+from torchtitan.autoparallel.execute import executor
+from torchtitan.autoparallel.execute.in_place import accumulate_in_place
+
+aten = torch.ops.aten
+
+
+def _sums(x, w, y, bias, wide):
+    fresh = torch.mm(x, w) + y  # a new product read once: into it
+    inputs = x + y  # both are the caller's tensors: a new sum
+    m = torch.mm(x, w)
+    twice = m + y  # m is read again below: a new sum
+    viewed = torch.mm(x, w).view(-1) + y.reshape(-1)  # through a view of a new product: into it
+    swapped = bias + torch.mm(x, w)  # into the second operand, which has the sum's shape
+    promoted = torch.mm(x, w) + wide  # the sum is float64: a new sum
+    scaled = torch.add(y, torch.mm(x, w), alpha=2.0)  # alpha: only the first operand, an input
+    unsafe = aten._unsafe_view(torch.mm(x, w), [16]) + y.reshape(-1)  # into the product
+    of_input = aten._unsafe_view(x, [16]) + y.reshape(-1)  # a view of an input: a new sum
+    return fresh, inputs, twice, m * 2, viewed, swapped, promoted, scaled, unsafe, of_input
+
+
+def _examples():
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(4, 4, generator=g),
+        torch.randn(4, 4, generator=g),
+        torch.randn(4, 4, generator=g),
+        torch.randn(4, generator=g),
+        torch.randn(4, 4, generator=g, dtype=torch.float64),
+    ]
+
+
+def test_only_sums_into_operands_nothing_else_sees():
+    gm = make_fx(_sums, tracing_mode="fake")(*_examples())
+    adds = [n for n in gm.graph.nodes if n.target in (aten.add.Tensor, aten.add_.Tensor)]
+    assert len(adds) == 9
+    assert accumulate_in_place(gm) == 4
+    in_place = [n.target is aten.add_.Tensor for n in adds]
+    assert in_place == [True, False, False, True, True, False, False, True, False]
+    # each in-place sum writes into the product, never into a graph input
+    for n in adds:
+        if n.target is aten.add_.Tensor:
+            into = n.args[0]
+            while into.target not in (aten.mm.default, operator.getitem):
+                into = into.args[0]
+            assert into.target is aten.mm.default, gm.code
+    inputs = _examples()
+    before = [t.clone() for t in inputs]
+    for got, want in zip(gm(*inputs), _sums(*_examples())):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    for t, b in zip(inputs, before):
+        assert torch.equal(t, b)  # no input was written
+
+
+def test_eager_graphs_sum_in_place_compiled_ones_stay_functional(fake_world, monkeypatch):
+    """The planned Llama's eager backward accumulates its gradients in place, the graphs for
+    inductor keep `add` (inductor plans buffers itself), and the gradients are bitwise the
+    same."""
+    monkeypatch.setattr(executor, "InductorOnFirstCall", lambda gm, options: executor._boxed(gm))
+    with fake_world(1):
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        with torch.device("meta"):
+            model = tiny_llama(n_layers=2, vocab=64, seq=32)
+        with AutoParallel(model, lambda: torch.zeros(4, 32, dtype=torch.long), mesh) as autop:
+            pm = autop.apply_placement(autop.optimize_placement())
+        pm.to_empty(device="cpu")
+        torch.manual_seed(0)
+        pm.init_weights()
+        tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+        grads = []
+        for compiled in (False, True):
+            if compiled:
+                pm.compile()
+            pm(tokens).float().logsumexp(-1).mean().backward()
+            grads.append({n: p.grad.to_local().clone() for n, p in pm.named_parameters()})
+            pm.zero_grad(set_to_none=True)
+    eager, functional = pm._ap_executor.lowered.values()
+
+    def count(lp, target):
+        return sum(n.target is target for n in lp.partition.bwd.graph.nodes)
+
+    assert count(eager, aten.add_.Tensor) > 10 and count(functional, aten.add_.Tensor) == 0
+    assert count(functional, aten.add.Tensor) >= count(eager, aten.add_.Tensor)
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
+@pytest.mark.parametrize("alpha", [1, 2.0])
+def test_a_sum_into_a_dying_operand_matches_the_functional_sum(alpha):
+    def f(x, w, y):
+        return torch.add(torch.mm(x, w), y, alpha=alpha)
+
+    args = _examples()[:3]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    assert accumulate_in_place(gm) == 1
+    assert torch.equal(gm(*args), f(*args))
