@@ -7,7 +7,8 @@ runs them.  It owns the lowered graphs; nothing else keeps execution state.
 Per input signature (local shapes and dtypes of parameters, buffers and inputs) the plan is
 lowered once (lower.py), partitioned into a forward and a backward graph, and its collectives
 grouped FSDP-style (buckets.py).  Eager mode calls the two `fx.GraphModule`s directly: plain
-ATen ops and functional collectives, no DTensor dispatch.  After `module.compile()` the *same*
+ATen ops and functional collectives, no DTensor dispatch, each sum written into an operand
+that dies at it (in_place.py).  After `module.compile()` the *same*
 two graphs are compiled by inductor (through AOTAutograd's decompositions, without dynamo: they
 are ATen graphs already).  Both modes call the graphs boxed, as AOTAutograd calls its compiled
 backward: the inputs come as one list the graph empties, so each saved value dies at its last

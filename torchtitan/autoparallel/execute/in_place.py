@@ -2,11 +2,10 @@
 
 The lowered graphs are functional, so every `aten.add` writes a new tensor: where the
 backward sums the gradient contributions of a value read several times, each partial sum
-is one more allocation, and on the CPU a fresh large buffer is fresh pages as well.
-Autograd's engine, running a hand-written module's backward, accumulates such gradients
-into the first one in place.  `accumulate_in_place` does the same to a graph that runs
-eagerly: `c = add(a, b)` becomes `c = add_(a, b)` (or `add_(b, a)`) when nothing else can
-see the operand change:
+is one more tensor to allocate and write.  Autograd's engine, running a hand-written
+module's backward, accumulates such gradients into the first one in place.
+`accumulate_in_place` does the same to a graph that runs eagerly: `c = add(a, b)` becomes
+`c = add_(a, b)` (or `add_(b, a)`) when nothing else can see the operand change:
 
 * the operand's memory is made by this graph: at the root of its chain of views is an ATen
   op that returns new memory (not a graph input, a constant, or a collective's buffer);
