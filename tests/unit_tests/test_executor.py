@@ -12,14 +12,18 @@ import weakref
 
 import pytest
 import torch
-from autoparallel_models import GPT2Block, MLPStack, TiedLM, tiny_llama
-from lowered_graphs import backward_gathered_units, gathered_units, param_gathers
+from autoparallel_models import GPT2Block, MLPStack, TiedLM
+from lowered_graphs import (
+    backward_gathered_units,
+    eager_then_for_inductor,
+    gathered_units,
+    param_gathers,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.execute import executor
 from torchtitan.autoparallel.execute.buckets import RS, WAIT, consecutive_units
 from torchtitan.autoparallel.execute.executor import InductorOnFirstCall
 from torchtitan.autoparallel.policies.recompute import fusible
@@ -331,25 +335,7 @@ def test_graphs_to_compile_recompute_pointwise_values_instead_of_saving_them(
     """For inductor the partition recomputes what pointwise ops, views and casts make from
     values the backward has anyway (a norm's normalised input, SiLU, the gated product):
     fewer saved bytes, only values the eager partition saved too, the same gradients."""
-    monkeypatch.setattr(executor, "InductorOnFirstCall", lambda gm, options: executor._boxed(gm))
-    with fake_world(1):
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        with torch.device("meta"):
-            model = tiny_llama(n_layers=3, vocab=64, seq=32)
-        with AutoParallel(model, lambda: torch.zeros(4, 32, dtype=torch.long), mesh) as autop:
-            pm = autop.apply_placement(autop.optimize_placement())
-        pm.to_empty(device="cpu")
-        torch.manual_seed(0)
-        pm.init_weights()
-        tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
-        runs = []
-        for compiled in (False, True):
-            if compiled:
-                pm.compile()
-            pm(tokens).float().logsumexp(-1).mean().backward()
-            runs.append({n: p.grad.to_local() for n, p in pm.named_parameters()})
-            pm.zero_grad(set_to_none=True)
-    eager, fused = pm._ap_executor.lowered.values()
+    eager, fused, runs = eager_then_for_inductor(fake_world, monkeypatch, n_layers=3)
     saved_eager, saved_fused = _saved(eager), _saved(fused)
     assert {n.name for n in saved_fused} < {n.name for n in saved_eager}
     recomputed = {n.target for n in saved_eager if n.name not in {m.name for m in saved_fused}}

@@ -5,12 +5,9 @@ import operator
 
 import pytest
 import torch
-from autoparallel_models import tiny_llama
-from torch.distributed.device_mesh import init_device_mesh
+from lowered_graphs import eager_then_for_inductor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torchtitan.autoparallel import AutoParallel
-from torchtitan.autoparallel.execute import executor
 from torchtitan.autoparallel.execute.in_place import accumulate_in_place
 
 aten = torch.ops.aten
@@ -67,25 +64,7 @@ def test_eager_graphs_sum_in_place_compiled_ones_stay_functional(fake_world, mon
     """The planned Llama's eager backward accumulates its gradients in place, the graphs for
     inductor keep `add` (inductor plans buffers itself), and the gradients are bitwise the
     same."""
-    monkeypatch.setattr(executor, "InductorOnFirstCall", lambda gm, options: executor._boxed(gm))
-    with fake_world(1):
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        with torch.device("meta"):
-            model = tiny_llama(n_layers=2, vocab=64, seq=32)
-        with AutoParallel(model, lambda: torch.zeros(4, 32, dtype=torch.long), mesh) as autop:
-            pm = autop.apply_placement(autop.optimize_placement())
-        pm.to_empty(device="cpu")
-        torch.manual_seed(0)
-        pm.init_weights()
-        tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
-        grads = []
-        for compiled in (False, True):
-            if compiled:
-                pm.compile()
-            pm(tokens).float().logsumexp(-1).mean().backward()
-            grads.append({n: p.grad.to_local().clone() for n, p in pm.named_parameters()})
-            pm.zero_grad(set_to_none=True)
-    eager, functional = pm._ap_executor.lowered.values()
+    eager, functional, grads = eager_then_for_inductor(fake_world, monkeypatch, n_layers=2)
 
     def count(lp, target):
         return sum(n.target is target for n in lp.partition.bwd.graph.nodes)
