@@ -45,26 +45,23 @@ from torchtitan.tools.collectives import count_collectives
 from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
 
 
-def _use_rank_inductor_cache(rank: int) -> None:
-    """Give this rank its own inductor cache folder: `<cache dir>/rank<rank>`.
+def _tag_compiled_graphs_with_rank(rank: int) -> None:
+    """Keep this rank's compiled graphs apart from the other ranks' in the compile caches
+    they share (`torch.compiler.config.cache_key_tag` gains `rank<rank>`).
 
-    A compiled graph hard-codes the names of the process groups it calls, and those
-    names differ between ranks, so a graph that one rank cached and another loads from a
-    shared folder fails on a warm run ("Could not resolve the process group registered
-    under the name 4").  `<cache dir>` is `$TORCHINDUCTOR_CACHE_DIR`, or inductor's
-    default folder when that is unset (all ranks of a machine share it too).  A path
-    that already ends in `rank<rank>` (a launcher that splits the cache itself) is kept.
-    Must run before anything is compiled: inductor reads the variable when it first
-    touches its cache.
+    Ranks of a machine share inductor's cache folder (`$TORCHINDUCTOR_CACHE_DIR`, or
+    inductor's default): a kernel, cached by its source, is compiled once by the first rank
+    that needs it while the others wait on inductor's lock for it and load it.  A compiled
+    *graph* must not be shared: it hard-codes the names of the process groups it calls,
+    which differ between ranks, and inductor's graph key stands a process group in by its
+    position ("Could not resolve the process group registered under the name 4" on a warm
+    run).  Must run before anything is compiled.
     """
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    import torch.compiler.config as compiler_config
 
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    leaf = f"rank{rank}"
-    if os.path.basename(os.path.normpath(cache)) != leaf:
-        cache = os.path.join(cache, leaf)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    logger.info(f"inductor cache: {cache}")
+    tag = f"rank{rank}"
+    given = compiler_config.cache_key_tag
+    compiler_config.cache_key_tag = f"{given}-{tag}" if given else tag
 
 
 class Trainer:
@@ -81,7 +78,7 @@ class Trainer:
         world_size = dist_utils.init_distributed(job_config.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
         if job_config.compile.enable:
-            _use_rank_inductor_cache(self.rank)  # before anything is compiled
+            _tag_compiled_graphs_with_rank(self.rank)  # before anything is compiled
         self.device = torch.device(dist_utils.device_type())
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
