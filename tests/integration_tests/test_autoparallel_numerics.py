@@ -1,4 +1,4 @@
-"""Pytest entry for the 4-rank numerics check (`autoparallel_numerics.py` under torchrun).
+"""Pytest entry for the 4-rank numerics check (`autoparallel_numerics.py` on forked ranks).
 
 Each model/mesh pair trains 5 AdamW steps next to a single-process copy, comparing the
 forward and every parameter gradient at every step (eager: the lowered local graphs;
@@ -16,13 +16,14 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
 from harness import native_crash
+
+from torchtitan.tools.loss_compare import rank_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -44,21 +45,13 @@ class Checks:
         return any(text in line for line in self.passed)
 
 
-def _torchrun(
+def _on_4_ranks(
     *args: str,
     timeout: int = 900,
     env: dict | None = None,
     script: str = "autoparallel_numerics.py",
 ) -> Checks:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        os.path.join(HERE, script),
-        *args,
-    ]
+    cmd = rank_command(4, [os.path.join(HERE, script), *args], forked=True)
     res, records = _launch(cmd, timeout, env)
     if signal := native_crash(res.returncode, res.stdout + res.stderr):  # see harness.py
         warnings.warn(
@@ -67,12 +60,12 @@ def _torchrun(
         res, records = _launch(cmd, timeout, env)
     checks = Checks(records)
     if res.returncode != 0 or "ALL OK" not in checks or checks.failed:
-        pytest.fail(f"torchrun rc={res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+        pytest.fail(f"launch rc={res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
     return checks
 
 
 def _launch(cmd: list[str], timeout: int, env: dict | None):
-    """One torchrun launch: its completed process and the checks rank 0 recorded."""
+    """One launch: its completed process and the checks rank 0 recorded."""
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "checks.jsonl"
         full_env = dict(
@@ -92,7 +85,7 @@ def _launch(cmd: list[str], timeout: int, env: dict | None):
 
 
 def test_llama_all_meshes_match_single_process():
-    checks = _torchrun("llama", "dp4,tp4,dp2tp2")
+    checks = _on_4_ranks("llama", "dp4,tp4,dp2tp2")
     assert checks.count("llama/") == 3 * CHECKS
     assert "llama/dp2tp2 grads x5" in checks
 
@@ -103,7 +96,7 @@ def test_recomputed_blocks_match_single_process():
     parameters and the others gathering them again: every gradient at 5 steps on dp4, tp4,
     dp2xtp2; the lowered forward keeps only what each block's policy keeps, and the backward
     gathers again only the units the plan says."""
-    checks = _torchrun("llama+recompute,mlp+recompute", "dp4,tp4,dp2tp2")
+    checks = _on_4_ranks("llama+recompute,mlp+recompute", "dp4,tp4,dp2tp2")
     for model in ("llama+recompute", "mlp+recompute"):
         assert checks.count(f"{model}/") == 3 * (CHECKS + 2), model
         assert f"{model}/dp2tp2 grads x5" in checks
@@ -113,7 +106,7 @@ def test_recomputed_blocks_match_single_process():
 
 
 def test_mlp_gpt2_tied_mixer_indexing_elementwise_on_all_meshes():
-    checks = _torchrun("mlp,gpt2,tied,mixer,indexing,elementwise", "dp4,tp4,dp2tp2")
+    checks = _on_4_ranks("mlp,gpt2,tied,mixer,indexing,elementwise", "dp4,tp4,dp2tp2")
     for model in ("mlp", "gpt2", "tied", "mixer", "indexing", "elementwise"):
         assert checks.count(f"{model}/") == 3 * CHECKS, model
 
@@ -132,7 +125,7 @@ def test_hf_models_on_all_meshes():
     others, which once made a strided view): init bitwise, forward and every gradient at 5
     steps on dp4, tp4, dp2xtp2."""
     models = (*HF_MODELS, "hf:roberta")
-    checks = _torchrun(",".join(models), "dp4,tp4,dp2tp2")
+    checks = _on_4_ranks(",".join(models), "dp4,tp4,dp2tp2")
     for model in models:
         assert checks.count(f"{model}/") == 3 * CHECKS, model
 
@@ -141,7 +134,7 @@ def test_hf_models_on_all_meshes():
 def test_hf_models_compiled():
     """A GQA decoder and the tied encoder through inductor, 3 steps (cold compiles are slow
     here; every family on every mesh: AP_COMPILE_TEST=1)."""
-    checks = _torchrun(
+    checks = _on_4_ranks(
         "hf_llama,hf_bert", "dp2tp2", env={"AP_COMPILE": "1", "AP_STEPS": "3"}, timeout=1500
     )
     assert "hf_llama+compile/dp2tp2 grads x3" in checks
@@ -154,7 +147,7 @@ def test_hf_models_compiled():
     reason="15 cold compiles on 4 ranks; set AP_COMPILE_TEST=1",
 )
 def test_hf_models_compiled_on_all_meshes():
-    checks = _torchrun(
+    checks = _on_4_ranks(
         ",".join(HF_MODELS),
         "dp4,tp4,dp2tp2",
         env={"AP_COMPILE": "1", "AP_STEPS": "3"},
@@ -167,42 +160,42 @@ def test_hf_models_compiled_on_all_meshes():
 def test_sharded_init_writes_match_single_process():
     """Random fills, writes through views (a padding row), indexed writes and plain tensors
     copied into sharded buffers, under every placement of a 1-D and a 2-D mesh."""
-    checks = _torchrun(script="sharded_init_check.py")
+    checks = _on_4_ranks(script="sharded_init_check.py")
     assert checks.count("init/") == 9
 
 
 def test_indexing_strategies_equal_one_process():
     """Every strategy of index / index_put / gather / scatter_add (and their backward ops)
     computed on real shards equals one process, on a 1-D and a 2-D mesh."""
-    checks = _torchrun(script="strategy_check.py")
+    checks = _on_4_ranks(script="strategy_check.py")
     assert "strategies/2x2 covers index, index_put, gather, scatter_add" in checks
     assert "strategies/4 aten.index.Tensor" in checks
 
 
 def test_errors_reach_every_rank():
-    checks = _torchrun("errors", "dp4,dp2tp2")
+    checks = _on_4_ranks("errors", "dp4,dp2tp2")
     assert checks.count("errors/") == 8
 
 
 def test_dtensor_reference_interpreter():
-    checks = _torchrun("gpt2,tied", "dp2tp2", env={"AP_EXECUTOR": "dtensor"})
+    checks = _on_4_ranks("gpt2,tied", "dp2tp2", env={"AP_EXECUTOR": "dtensor"})
     assert "gpt2/dp2tp2 grads x5" in checks and "tied/dp2tp2 params after 5 steps" in checks
 
 
 def test_attention_op_split_by_batch_and_heads():
-    checks = _torchrun("attention", "tp4,dp2tp2")
+    checks = _on_4_ranks("attention", "tp4,dp2tp2")
     assert checks.count("attention/") == 10
 
 
 def test_mixed_precision_mlp():
-    checks = _torchrun("mlp", "dp4,dp2tp2", "bf16")
+    checks = _on_4_ranks("mlp", "dp4,dp2tp2", "bf16")
     assert "mlp+bf16/dp2tp2 grads x1" in checks  # one step against the fp32 reference
 
 
 def test_compiled_matches_single_process_from_step_2_on():
     """The models whose compiled gradients used to go wrong from the second call on
     (LayerNorm statistics captured as constants) and Llama, 5 steps through inductor."""
-    checks = _torchrun(
+    checks = _on_4_ranks(
         "mixer,tied,llama+recompute", "dp2tp2", env={"AP_COMPILE": "1"}, timeout=1500
     )
     assert "mixer+compile/dp2tp2 grads x5" in checks
@@ -216,7 +209,7 @@ def test_compiled_matches_single_process_from_step_2_on():
     reason="two more cold compiles of Llama on 4 ranks; set AP_COMPILE_TEST=1",
 )
 def test_compiled_llama_on_1d_meshes():
-    checks = _torchrun("llama", "dp4,tp4", env={"AP_COMPILE": "1"}, timeout=1500)
+    checks = _on_4_ranks("llama", "dp4,tp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "llama+compile/dp4 grads x5" in checks and "llama+compile/tp4 grads x5" in checks
 
 
@@ -224,7 +217,7 @@ def test_moe_on_all_meshes_and_with_expert_parallelism():
     """The MoE decoder (tiny_moe): init bitwise, forward and every gradient at 5 steps on
     dp4, tp4, dp2xtp2 with the layouts the solver picks, and with the routed experts split
     over the first mesh dim (tokens dispatched by all-to-all inside the lowered graphs)."""
-    checks = _torchrun("moe,moe+ep,moe_bias+ep", "dp4,tp4,dp2tp2")
+    checks = _on_4_ranks("moe,moe+ep,moe_bias+ep", "dp4,tp4,dp2tp2")
     for mesh in ("dp4", "tp4", "dp2tp2"):
         assert f"moe/{mesh} grads x5" in checks
         assert f"moe_bias+ep/{mesh} grads x5" in checks
@@ -235,13 +228,13 @@ def test_moe_on_all_meshes_and_with_expert_parallelism():
 def test_replicated_plan_matches_single_process():
     """With no parameter bound (the trainer's default when memory is plentiful) the dp4 plan
     replicates every parameter and all-reduces the gradients: every gradient at 5 steps."""
-    checks = _torchrun("llama+replicated", "dp4")
+    checks = _on_4_ranks("llama+replicated", "dp4")
     assert "llama+replicated/dp4 grads x5" in checks
     assert "llama+replicated/dp4 params replicated 21 of 21, backward all-reduces" in checks
 
 
 def test_expert_parallel_and_replicated_plans_compiled():
-    checks = _torchrun("moe+ep,llama+replicated", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
+    checks = _on_4_ranks("moe+ep,llama+replicated", "dp4", env={"AP_COMPILE": "1"}, timeout=1500)
     assert "moe+ep+compile/dp4 grads x5" in checks
     assert "moe+ep+compile/dp4 expert-parallel kernels 4 of 4" in checks
     assert "llama+replicated+compile/dp4 grads x5" in checks
@@ -252,5 +245,5 @@ def test_expert_parallel_and_replicated_plans_compiled():
 def test_hf_moe_family_through_the_experts_op():
     """transformers' Mixtral (tiny config): its experts module runs as titan.routed_experts;
     init bitwise, forward and every gradient at 5 steps on dp2xtp2."""
-    checks = _torchrun("hf:mixtral", "dp2tp2")
+    checks = _on_4_ranks("hf:mixtral", "dp2tp2")
     assert "hf:mixtral/dp2tp2 grads x5" in checks

@@ -112,6 +112,7 @@ def run_training(
     timeout: float = 1800,
     env: dict[str, str] | None = None,
     inductor_cache: str | Path | None = None,
+    forked: bool = False,
 ) -> Run:
     """Run `python -m torchtitan.train` on `nproc` ranks with `config_file` + `args`.
 
@@ -121,9 +122,8 @@ def run_training(
     `env` entries override the inherited environment. The combined output of all ranks
     is returned and also saved as `{dump_folder}/train.log`.
 
-    `inductor_cache` keeps torch.compile's cache between launches, one folder per rank
-    (`{inductor_cache}/rank{r}`): compiled graphs name their process groups, the names
-    differ between ranks, and a graph cached by another rank calls a wrong group.
+    `inductor_cache` keeps torch.compile's cache between launches (the ranks share it:
+    `train.py` keeps each rank's compiled graphs apart); `forked`: see `rank_command`.
     """
     dump_folder = Path(dump_folder).resolve()  # the ranks run in the repo root
     dump_folder.mkdir(parents=True, exist_ok=True)
@@ -132,39 +132,46 @@ def run_training(
     full_env.setdefault("HF_DATASETS_OFFLINE", "1")
     full_env.setdefault("HF_HUB_OFFLINE", "1")
     full_env.setdefault("PYTHONHASHSEED", "0")  # as run_train.sh: the same on every rank
-    full_env.update(env or {})
-    trainer = ["-m", "torchtitan.train"]
     if inductor_cache is not None:
-        trainer = [
-            "--no-python",
-            "sh",
-            "-c",
-            'TORCHINDUCTOR_CACHE_DIR="$0/rank$RANK" exec "$@"',
-            str(Path(inductor_cache).resolve()),
-            sys.executable,
-            "-u",
-            *trainer,
-        ]
-    cmd = [
+        full_env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(inductor_cache).resolve())
+    full_env.update(env or {})
+    cmd = rank_command(
+        nproc,
+        [
+            "-m",
+            "torchtitan.train",
+            *last_wins(
+                [
+                    "--job.config_file",
+                    str(Path(config_file).resolve()),
+                    "--job.dump_folder",
+                    str(dump_folder),
+                    *args,
+                ]
+            ),
+        ],
+        forked=forked,
+    )
+    code, output = launch_and_wait(cmd, full_env, timeout, "loss_compare")
+    (dump_folder / LOG_NAME).write_text(output)
+    return Run(code, output, dump_folder)
+
+
+def rank_command(nproc: int, target: list[str], *, forked: bool = False) -> list[str]:
+    """The command that runs `target` (`["-m", module, *args]` or `[script, *args]`) on
+    `nproc` ranks of this machine: torchrun's standalone launch, or with `forked` one process
+    that imports once and forks the ranks (`torchtitan.tools.forked_ranks`, CPU only: no
+    per-rank interpreter start, for short runs)."""
+    if forked:
+        return [sys.executable, "-m", "torchtitan.tools.forked_ranks", f"--nproc={nproc}", *target]
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        *trainer,
-        *last_wins(
-            [
-                "--job.config_file",
-                str(Path(config_file).resolve()),
-                "--job.dump_folder",
-                str(dump_folder),
-                *args,
-            ]
-        ),
+        *target,
     ]
-    code, output = launch_and_wait(cmd, full_env, timeout, "loss_compare")
-    (dump_folder / LOG_NAME).write_text(output)
-    return Run(code, output, dump_folder)
 
 
 def launch_and_wait(cmd: list[str], env: dict, timeout: float, label: str) -> tuple[int, str]:
