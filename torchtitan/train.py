@@ -53,9 +53,9 @@ def _tag_compiled_graphs_with_rank(rank: int) -> None:
     inductor's default): a kernel, cached by its source, is compiled once by the first rank
     that needs it while the others wait on inductor's lock for it and load it.  A compiled
     *graph* must not be shared: it hard-codes the names of the process groups it calls,
-    which differ between ranks, and inductor's graph key stands a process group in by its
-    position ("Could not resolve the process group registered under the name 4" on a warm
-    run).  Must run before anything is compiled.
+    which differ between ranks, and inductor's graph key does not tell them apart (a warm
+    run without the tag fails: "Could not resolve the process group registered under the
+    name 4").  Must run before anything is compiled.
     """
     import torch.compiler.config as compiler_config
 
