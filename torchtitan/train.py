@@ -42,6 +42,7 @@ from torchtitan.protocols.model import ModelProtocol
 from torchtitan.protocols.train_spec import MeshChoice, get_train_spec, import_custom_module
 from torchtitan.tools import rank_errors
 from torchtitan.tools.collectives import count_collectives
+from torchtitan.tools.local_processes import die_with_parent
 from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
 
 
@@ -366,15 +367,7 @@ def _die_with_launcher() -> None:
     """Under the launcher, end this rank when the launcher dies (even by SIGKILL), rather
     than train on unsupervised: torchrun starts ranks in their own session, so nothing
     else reaches them.  Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
-    if rank_errors.error_dir() is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    launcher = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != launcher:  # it died before the request took effect
+    if rank_errors.error_dir() is not None and not die_with_parent(os.getppid()):
         _exit(1)
 
 

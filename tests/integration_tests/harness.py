@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import warnings
 from pathlib import Path
 
 from torchtitan.tools import loss_compare
+from torchtitan.tools.local_processes import free_port  # noqa: F401 - for the tests
 from torchtitan.tools.loss_compare import DEBUG_TOML, REPO, Run, assert_losses_close  # noqa: F401
 
 # Small and deterministic: enough steps and tokens to see the curve, quick on 2 cores.
@@ -120,12 +120,6 @@ def run_check_script(
 
 
 # ---- the launcher (`python -m torchtitan.launch`, what run_train.sh runs) ----------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def listening(port: int) -> bool:
     """Whether a socket on this machine listens on TCP `port` (Linux: /proc/net/tcp*)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):

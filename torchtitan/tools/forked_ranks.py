@@ -29,11 +29,12 @@ import importlib.util
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from torchtitan.tools.local_processes import die_with_parent, free_port
 
 GRACE_S = 30.0
 
@@ -45,9 +46,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         usage="%(prog)s --nproc N (-m MODULE | SCRIPT) [args ...]",
     )
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start")
-    split = 0  # this launcher's options come first; each takes a value, but --help
-    while split < len(argv) and argv[split].startswith("--"):
-        split += 1 if "=" in argv[split] or argv[split] == "--help" else 2
+    split = 0  # this launcher's options come first; each takes a value, but the help
+    while split < len(argv) and argv[split].startswith("-") and argv[split] != "-m":
+        split += 1 if "=" in argv[split] or argv[split] in ("-h", "--help") else 2
     args = parser.parse_args(argv[:split])
     target = argv[split:]
     args.module = None
@@ -96,26 +97,10 @@ def _warm_up(source: Path | None) -> None:
             continue
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this rank when the launcher dies (prctl PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(1)
-
-
 def _run_rank(rank: int, args: argparse.Namespace, port: int, parent: int) -> None:
     """In a forked child: become rank `rank`, run the target, exit with its code."""
-    _die_with_parent(parent)
+    if not die_with_parent(parent):
+        os._exit(1)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -180,7 +165,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.nproc > 1:  # as torchrun: ranks sharing a machine do not each take every core
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     _warm_up(_source_of(args.module, script))
-    port, parent = _free_port(), os.getpid()
+    port, parent = free_port(), os.getpid()
     # What the ranks inherit is never collected: the collector would otherwise visit (and
     # so copy, page by page) every inherited object in every rank.
     gc.freeze()
