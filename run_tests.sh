@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the whole test suite on CPU: the unit tests in two worker processes (pytest-xdist, one
-# per core), then the multi-rank torchrun/gloo tests one at a time (each already keeps every
-# core busy with its ranks).  Extra arguments go to one plain pytest run instead, e.g.
+# per core), then the multi-rank torchrun/gloo tests two at a time (a launch leaves a core
+# idle a quarter to a third of its time: interpreter start-up, rendezvous, waits in collectives; a
+# worker that runs dry takes queued tests from the other).  Extra arguments go to one plain
+# pytest run instead, e.g.
 #   ./run_tests.sh tests/unit_tests -k config
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -16,7 +18,7 @@ if (($#)); then
 fi
 "${pytest[@]}" -n 2 -m "not slow" tests
 unit=$?
-"${pytest[@]}" -m slow tests
+"${pytest[@]}" -n 2 --dist worksteal -m slow tests
 multi_rank=$?
 echo "unit tests: exit $unit; multi-rank tests: exit $multi_rank"
 # pytest's exit 5 (nothing collected) would mean a selection went wrong: a failure too
