@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 from torchtitan.tools import loss_compare
-from torchtitan.tools.local_processes import free_port  # noqa: F401 - for the tests
+from torchtitan.tools.local_processes import free_port
 from torchtitan.tools.loss_compare import DEBUG_TOML, REPO, Run, assert_losses_close  # noqa: F401
 
 # Small and deterministic: enough steps and tokens to see the curve, quick on 2 cores.

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from harness import (
     error_lines,
-    free_port,
     launch_nodes,
     launch_one,
     launcher_env,
     run_launcher,
 )
 
+from torchtitan.tools.local_processes import free_port
 from torchtitan.tools.loss_compare import REPO, assert_losses_close, deterministic_args
 
 ARGS = ["--training.steps", "4", "--training.seq_len", "64", *deterministic_args(seed=7)]

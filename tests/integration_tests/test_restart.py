@@ -17,7 +17,6 @@ import torch
 from harness import (
     error_lines,
     finish,
-    free_port,
     launcher_cmd,
     launcher_env,
     listening,
@@ -29,6 +28,7 @@ from harness import (
 )
 
 from torchtitan.launch import child_pids
+from torchtitan.tools.local_processes import free_port
 from torchtitan.tools.loss_compare import REPO, deterministic_args
 
 pytestmark = pytest.mark.skipif(

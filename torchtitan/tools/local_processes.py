@@ -25,5 +25,5 @@ def die_with_parent(parent: int) -> bool:
     import ctypes
 
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     return os.getppid() == parent
