@@ -64,7 +64,9 @@ def check(schedule: str, rank: int) -> None:
                 )
         ours.step()
         theirs.step()
-    print(f"PASS {schedule} rank {rank}: stages {stages.stage_ids}", flush=True)
+    # one write per line: ranks share the pipe, and an unbuffered print writes the newline apart
+    sys.stdout.write(f"PASS {schedule} rank {rank}: stages {stages.stage_ids}\n")
+    sys.stdout.flush()
 
 
 def main() -> int:

@@ -102,7 +102,9 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
         ours.step()
         theirs.step()
     mode = "compiled" if compiled else "eager"
-    print(f"PASS {mesh_name} rank {dist.get_rank()}: stages {stages.stage_ids} {mode}", flush=True)
+    # one write per line: ranks share the pipe, and an unbuffered print writes the newline apart
+    sys.stdout.write(f"PASS {mesh_name} rank {dist.get_rank()}: stages {stages.stage_ids} {mode}\n")
+    sys.stdout.flush()
 
 
 def main() -> int:
