@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
+from .child_process import raise_as_sent, run_in_child
 from .cost.model import CostModel, resolve_cost_model
 from .errors import ConstraintError, PlannerError
 from .execute.apply import build_parallel_module, lowered_executor
@@ -86,8 +87,6 @@ def on_rank0(fn: Callable[[], str], group=None) -> str:
         return fn()
     import torch.distributed as dist
 
-    from . import errors
-
     box: list = [None]
     failure = None
     if dist.get_rank(group) == 0:
@@ -102,9 +101,7 @@ def on_rank0(fn: Callable[[], str], group=None) -> str:
     if box[0][0] == "ok":
         return box[0][1]
     _tag, name, message, planner = box[0]
-    if planner:
-        raise getattr(errors, name, PlannerError)(message)
-    raise RuntimeError(f"planning failed on rank 0 with {name}: {message}")
+    raise_as_sent(name, message, planner, "on rank 0")
 
 
 def _mp_dtypes(mp_policy) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -362,7 +359,11 @@ class AutoParallel:
         )
 
     def optimize_placement(
-        self, verbose: bool = False, broadcast: bool = False, cache_dir: str | Path | None = None
+        self,
+        verbose: bool = False,
+        broadcast: bool = False,
+        cache_dir: str | Path | None = None,
+        in_child: bool = False,
     ) -> Plan:
         """Solve and return the plan.
 
@@ -370,10 +371,13 @@ class AutoParallel:
         only rank 0 builds and solves the program and the others receive its plan (as JSON),
         so every rank applies the identical plan and the CPU cost is paid once.  With the
         default `False` the call is local (no collectives).  With `cache_dir` the plan is
-        looked up there first and a new one is written there (plan/cache.py).
+        looked up there first and a new one is written there (plan/cache.py).  With
+        `in_child` the strategies, the program and the solve are made in a forked child
+        process, whose memory goes back to the system when it exits (child_process.py): for
+        a process that goes on to train.
         """
         self._require_entered()
-        if not broadcast and cache_dir is None:
+        if not (broadcast or in_child) and cache_dir is None:
             return self._solve(self.problem(), verbose)
 
         def plan_text() -> str:
@@ -382,7 +386,10 @@ class AutoParallel:
                 return self._solve(problem, verbose).to_json()
             return cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
 
-        text = on_rank0(plan_text, self._mesh_group()) if broadcast else plan_text()
+        def made() -> str:
+            return run_in_child(plan_text) if in_child else plan_text()
+
+        text = on_rank0(made, self._mesh_group()) if broadcast else made()
         return Plan.from_json(text)
 
     def plan_from_file(

@@ -22,6 +22,7 @@ import contextlib
 from torch import nn
 
 from torchtitan.autoparallel.api import AutoParallel, on_rank0
+from torchtitan.autoparallel.child_process import run_in_child
 from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import (
     MeshCandidate,
@@ -249,6 +250,9 @@ def search_job_meshes(
         planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
     # the job's one trace: rank 0 plans every candidate from it, and every rank
     # applies the chosen plan from it (`parallelize_auto`)
+    # searched in a child process, whose heap goes with it, unless the pipelined candidates'
+    # stage plans must come back into this one (`stage_plans`)
+    in_child = search if piped else lambda: run_in_child(search)
     with planner if planner is not None else contextlib.nullcontext():
-        result = MeshSearch.from_json(on_rank0(search))
+        result = MeshSearch.from_json(on_rank0(in_child))
     return result, by_mesh[result.best.mesh], planner

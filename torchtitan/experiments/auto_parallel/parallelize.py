@@ -314,7 +314,8 @@ def _parallelize(
             if path := job_plan_file(job_config):
                 plan = autop.plan_from_file(path, broadcast=True, cache_dir=cache_dir)
             else:
-                plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir)
+                # in a child process: this one trains next, without the planner's heap
+                plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir, in_child=True)
             check_plan_fits(plan)
             parallel_model = autop.apply_placement(plan)
             layout = autop.cost_model.node_layout(mesh.shape, names)

@@ -1,0 +1,84 @@
+"""`torchtitan.autoparallel.child_process`: a planning step made in a forked child gives back
+its answer and its errors, and leaves neither its side effects nor its heap in this process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from torchtitan.autoparallel import child_process
+from torchtitan.autoparallel.child_process import run_in_child
+from torchtitan.autoparallel.errors import InfeasiblePlanError
+from torchtitan.tools.heap import give_back_freed_heap
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+KEPT: list = []
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(r"VmRSS:\s+(\d+)", f.read())
+    assert match is not None
+    return int(match.group(1))
+
+
+def _fragmenting_step() -> str:
+    """Many small objects, one in a thousand kept: the kept ones pin the allocator's arenas
+    (what planning does to the process that plans)."""
+    made = [[i] for i in range(600_000)]
+    KEPT.extend(made[::1000])
+    del made
+    return "planned"
+
+
+def test_the_answer_comes_from_another_process():
+    assert run_in_child(lambda: str(os.getpid())) != str(os.getpid())
+
+
+def test_a_planner_error_comes_back_as_itself():
+    def infeasible() -> str:
+        raise InfeasiblePlanError("constraints cannot all hold: memory budget 1 GiB")
+
+    with pytest.raises(InfeasiblePlanError, match=r"^constraints cannot all hold: memory budget"):
+        run_in_child(infeasible)
+
+
+def test_another_error_comes_back_named(capfd):
+    def broken() -> str:
+        return str({}["missing"])
+
+    with pytest.raises(
+        RuntimeError, match=r"^planning failed in the planning process with KeyError: 'missing'"
+    ):
+        run_in_child(broken)
+    assert "Traceback" in capfd.readouterr().err  # the child shows where
+
+
+def test_a_child_that_dies_is_an_error_naming_the_signal():
+    with pytest.raises(RuntimeError, match=r"ended without a plan \(killed by signal 9\)"):
+        run_in_child(lambda: str(os.kill(os.getpid(), signal.SIGKILL)))
+
+
+def test_the_heap_and_side_effects_stay_in_the_child():
+    give_back_freed_heap()
+    before = _rss_kib()
+    assert run_in_child(_fragmenting_step) == "planned"
+    give_back_freed_heap()
+    assert KEPT == []  # the child's world ended with it
+    assert _rss_kib() - before < 4_000
+    # the same step in this process keeps tens of MB (which is why the trainer forks)
+    _fragmenting_step()
+    give_back_freed_heap()
+    assert _rss_kib() - before > 20_000
+    KEPT.clear()
+
+
+def test_no_fork_once_cuda_is_initialised(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not child_process.can_fork()
+    assert run_in_child(lambda: str(os.getpid())) == str(os.getpid())
