@@ -13,6 +13,7 @@ PACKAGE = Path(ap.__file__).parent
 # leaves first; a stage may import any stage listed before it
 STAGES = [
     "errors",
+    "child_process",
     "graph",
     "ops",
     "trace",
