@@ -393,7 +393,7 @@ def test_a_searched_job_traces_once_and_solves_each_candidate_once(
     import sys
 
     import torchtitan.autoparallel.trace.joint as joint
-    from torchtitan.autoparallel import AutoParallel
+    from torchtitan.autoparallel import AutoParallel, child_process
     from torchtitan.train import Trainer
 
     monkeypatch.chdir(REPO)
@@ -408,6 +408,8 @@ def test_a_searched_job_traces_once_and_solves_each_candidate_once(
     _count_calls(monkeypatch, counts, "trace", planner_modules, "trace_joint")
     # the plan cache is off, so each optimize_placement is one solve
     _count_calls(monkeypatch, counts, "solve", [AutoParallel], "optimize_placement")
+    # planned in this process (not a forked child), where the calls are counted
+    monkeypatch.setattr(child_process, "can_fork", lambda: False)
     job_config = _config(
         "--model.name",
         "llama3_auto_parallel",
