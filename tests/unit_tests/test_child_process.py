@@ -15,7 +15,7 @@ from torchtitan.autoparallel.child_process import run_in_child
 from torchtitan.autoparallel.errors import InfeasiblePlanError
 from torchtitan.tools.heap import give_back_freed_heap
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+pytestmark = pytest.mark.skipif(not child_process.can_fork(), reason="forks on Linux only")
 
 KEPT: list = []
 

@@ -10,8 +10,8 @@ child process that plans and exits returns all of it.
 
 The child is forked (copy on write, nothing imported again) and writes its result to a pipe;
 an exception there comes back as the same planner error, or as a RuntimeError naming it.
-Where a fork is unsafe or unavailable (no `os.fork`, CUDA already initialised in this
-process: a forked child cannot use it), the step runs in this process instead.
+Where a fork is unsafe or unavailable (not Linux; CUDA already initialised in this process,
+which a forked child cannot use), the step runs in this process instead.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from . import errors
 
 
 def can_fork() -> bool:
-    return hasattr(os, "fork") and not torch.cuda.is_initialized()
+    return sys.platform == "linux" and not torch.cuda.is_initialized()
 
 
 def run_in_child(fn: Callable[[], str]) -> str:
@@ -43,11 +43,13 @@ def run_in_child(fn: Callable[[], str]) -> str:
     gc.freeze()  # the child's collections leave the inherited objects (and their pages) alone
     try:
         pid = os.fork()
-    finally:
+    except BaseException:
         gc.unfreeze()
+        raise
     if pid == 0:  # the child: answer, then leave without running this process's exit hooks
         os.close(read_end)
         _answer(fn, write_end)
+    gc.unfreeze()
     os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
         data = pipe.read()
