@@ -393,14 +393,19 @@ class AutoParallel:
         return Plan.from_json(text)
 
     def plan_from_file(
-        self, path: str | Path, broadcast: bool = False, cache_dir: str | Path | None = None
+        self,
+        path: str | Path,
+        broadcast: bool = False,
+        cache_dir: str | Path | None = None,
+        in_child: bool = False,
     ) -> Plan:
         """The plan in file `path` (`scripts/plan.py`'s plan.json, a run's cached plan,
         possibly edited by hand), after the constraints are set: checked against this
         model, mesh and constraints (a `PlannerError` naming the first difference), then
         returned as written, or, when its parameter placements were edited, solved again
         with every parameter pinned where the file puts it (plan/plan_file.py).
-        `broadcast` and `cache_dir` as for `optimize_placement` (rank 0 reads the file)."""
+        `broadcast`, `cache_dir` and `in_child` (for the solve) as for `optimize_placement`
+        (rank 0 reads the file)."""
         self._require_entered()
         if broadcast:
             text = on_rank0(lambda: read_plan_text(path), self._mesh_group())
@@ -421,7 +426,7 @@ class AutoParallel:
         )
         for fqn, placement in plan.params.items():
             self.add_parameter_constraint(fqn, parse_placements(placement))
-        return self.optimize_placement(broadcast=broadcast, cache_dir=cache_dir)
+        return self.optimize_placement(broadcast=broadcast, cache_dir=cache_dir, in_child=in_child)
 
     def _mesh_group(self):
         """The process group of the mesh's ranks, which share one plan; None (every rank)

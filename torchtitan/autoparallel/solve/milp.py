@@ -4,6 +4,11 @@ Knows columns, rows and one-hot groups, nothing of graphs or placements (it is t
 its own, `tests/unit_tests/test_solver_exact.py`).  `Milp.solve` runs: LP relaxation ->
 a first plan among the columns near the bound (the heuristic) -> reduced-cost fixing ->
 branch and bound from that plan, bounded by the proof limit.
+
+highspy is imported on the first solve, not with this module: a training rank that receives
+its plan from another process never loads it.  What leaves this module is the engine's own:
+a status among `OPTIMAL`, `INFEASIBLE`, `TIME_LIMIT` (or HiGHS's name for any other) and
+`math.inf` for an unbounded side of a row or column.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import highspy
 import numpy as np
+
+if TYPE_CHECKING:
+    import highspy
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +33,25 @@ log = logging.getLogger(__name__)
 # this fraction of the bound (any choice is valid: it only has to find a good plan fast).
 HEURISTIC_SLACK = 0.005
 
-# (HiGHS model status, column values or None, objective or None, how it was found, proven
-# relative gap or None)
-MilpResult = tuple[Any, list[float] | None, float | None, str, float | None]
+OPTIMAL, INFEASIBLE, TIME_LIMIT = "optimal", "infeasible", "time limit"
+
+# (status, column values or None, objective or None, how it was found, proven relative gap
+# or None)
+MilpResult = tuple[str, list[float] | None, float | None, str, float | None]
+_HighsResult = tuple[Any, list[float] | None, float | None, str, float | None]
+
+
+def _highspy() -> ModuleType:
+    import highspy
+
+    return highspy
+
+
+def _status(highs_status: Any) -> str:
+    """HiGHS's model status in the engine's terms."""
+    known = _highspy().HighsModelStatus
+    names = {known.kOptimal: OPTIMAL, known.kInfeasible: INFEASIBLE, known.kTimeLimit: TIME_LIMIT}
+    return names.get(highs_status, str(highs_status))
 
 
 @dataclass
@@ -116,7 +140,8 @@ class Milp:
             )
             index, value = idx[mask], np.asarray(self.value)[mask]
             cost, lb, ub = (np.asarray(v)[keep] for v in (self.cost, self.lb, self.ub))
-        lp = highspy.HighsLp()
+        hs = _highspy()
+        lp = hs.HighsLp()
         n = len(cost)
         lp.num_col_ = n
         lp.num_row_ = len(self.row_lo)
@@ -125,7 +150,7 @@ class Milp:
         lp.col_upper_ = ub
         lp.row_lower_ = self.row_lo
         lp.row_upper_ = self.row_hi
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
         lp.a_matrix_.start_ = starts
         lp.a_matrix_.index_ = index
         lp.a_matrix_.value_ = value
@@ -155,15 +180,21 @@ class Milp:
            cheaper than that one can use (`_reduced_cost_fixing`), started from it, for at
            most `proof_limit` seconds: if it neither finds a cheaper plan nor proves this
            one within `rel_gap` by then, the plan is the best found, with the gap it proved
-           (status `kTimeLimit`; a memory budget that binds leaves the relaxation mixing
+           (status `TIME_LIMIT`; a memory budget that binds leaves the relaxation mixing
            two plans, and closing that gap is most of the time on large models).
         Fractional relaxations here are a few groups mixing two layouts half and half
         (sequence-parallel or replicated norms in fp32 Llama3-8B (8,8): 0.25% above the
         bound); step 3 keeps 40% of its columns and proves the optimum in about a second,
         where HiGHS's root cuts on the whole program took 15 s.
         """
+        status, values, obj, how, gap = self._solve(time_limit, verbose, rel_gap, proof_limit)
+        return _status(status), values, obj, how, gap
+
+    def _solve(
+        self, time_limit: float, verbose: bool, rel_gap: float, proof_limit: float
+    ) -> _HighsResult:
         t_end = time.perf_counter() + float(time_limit)
-        Status = highspy.HighsModelStatus
+        Status = _highspy().HighsModelStatus
         status, relaxed = self._relaxation(time_limit, verbose)
         if status == Status.kInfeasible:
             return status, None, None, "LP", None
@@ -223,7 +254,7 @@ class Milp:
             h.writeModel(os.environ["AUTOPARALLEL_WRITE_MODEL"])
         h.run()
         status = h.getModelStatus()
-        if status != highspy.HighsModelStatus.kOptimal:
+        if status != _highspy().HighsModelStatus.kOptimal:
             return status, None
         solution = h.getSolution()
         return status, _Relaxed(
@@ -259,7 +290,7 @@ class Milp:
         verbose: bool,
         rel_gap: float,
         t_end: float,
-    ) -> MilpResult:
+    ) -> _HighsResult:
         """The 0/1 program with column upper bounds `upper` (columns at 0 are left out),
         started from the full-length solution `start` if given, in a fresh HiGHS."""
         keep = np.flatnonzero(np.asarray(upper) > 0)
@@ -270,11 +301,12 @@ class Milp:
         is_int = np.zeros(len(self.cost), dtype=bool)
         is_int[[c for g in self.groups for c in g]] = True
         ints = np.flatnonzero(is_int[keep]).astype(np.int32)
-        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+        hs = _highspy()
+        h.changeColsIntegrality(len(ints), ints, np.full(len(ints), hs.HighsVarType.kInteger))
         h.setOptionValue("mip_rel_gap", rel_gap)
         h.setOptionValue("time_limit", max(1.0, t_end - time.perf_counter()))
         if start is not None:
-            sol = highspy.HighsSolution()
+            sol = hs.HighsSolution()
             sol.col_value = list(np.asarray(start)[keep])
             h.setSolution(sol)
         h.run()
@@ -293,7 +325,7 @@ class Milp:
 
 
 def _highs(verbose: bool) -> highspy.Highs:
-    h = highspy.Highs()
+    h = _highspy().Highs()
     h.setOptionValue(
         "output_flag", bool(verbose) or bool(os.environ.get("AUTOPARALLEL_SOLVER_LOG"))
     )

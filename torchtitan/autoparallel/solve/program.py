@@ -20,11 +20,10 @@ of chosen edges (+ a tiny tie-breaker per placement change).
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
-import highspy
 import torch.fx as fx
 
 from ..cost.liveness import BOUNDARY
@@ -43,7 +42,7 @@ from ..ops.collective_ops import COLLECTIVE_OPS
 from ..policies.regather import Regather
 from ..strategies.table import NodeStrategies, Source, placed, resolve_source
 from .constraints import CollectiveDim, MemoryBudget, OutputPin, ParameterBudget, Pin
-from .milp import Milp
+from .milp import OPTIMAL, Milp
 from .prices import GraphPrices
 from .recompute_choices import RecomputeChoices
 from .redistributions import source_value
@@ -367,7 +366,7 @@ class PlacementProgram:
             lo_bound += b * max(fmin, c.low if c.low is not None else 0.0)
         self.m.row(
             terms,
-            lo_bound * (1 - 1e-9) if c.low is not None else -highspy.kHighsInf,
+            lo_bound * (1 - 1e-9) if c.low is not None else -math.inf,
             hi_bound * (1 + 1e-9),
         )
 
@@ -376,7 +375,7 @@ class PlacementProgram:
         microbatches in flight (a pipeline stage), each row also holds the other
         microbatches' saved activations (the boundary's saved values, `in_flight - 1` times)."""
         for terms in self.memory_rows(c.bytes_per_rank, c.in_flight):
-            self.m.row(terms, -highspy.kHighsInf, 1.0)
+            self.m.row(terms, -math.inf, 1.0)
 
     def memory_rows(self, scale: float, in_flight: float = 1.0) -> list[list[tuple[int, float]]]:
         """The memory model's rows (memory.py: params, grads, optimizer state, the
@@ -462,7 +461,7 @@ class PlacementProgram:
 
     # ---------------------------------------------------------------- reading the answer
     def solution(
-        self, values: list[float], status: Any, obj: float, how: str, gap: float | None
+        self, values: list[float], status: str, obj: float, how: str, gap: float | None
     ) -> Solution:
         def chosen(w: dict) -> P.Placements:
             return max(w, key=lambda pl: values[w[pl]])
@@ -502,7 +501,7 @@ class PlacementProgram:
             comm_us=comm,
             objective=obj,
             status=f"{status} via {how}",
-            optimal=status == highspy.HighsModelStatus.kOptimal,
+            optimal=status == OPTIMAL,
             gap=gap,
             num_vars=len(self.m.cost),
             num_rows=len(self.m.row_lo),

@@ -12,7 +12,6 @@ import logging
 import math
 import time
 
-import highspy
 import torch.fx as fx
 
 from ..errors import InfeasiblePlanError, PlannerError
@@ -24,6 +23,7 @@ from .constraints import (
     Pin,
     UserConstraint,
 )
+from .milp import INFEASIBLE, OPTIMAL, TIME_LIMIT
 from .problem import PlanningProblem
 from .program import PlacementProgram, Solution
 
@@ -103,10 +103,10 @@ class PlacementSolver:
         program = self._build(constraints, rep)
         m = program.m
         m.cost = [0.0] * len(m.cost)
-        peak = m.var(1.0, 0.0, highspy.kHighsInf)  # GiB; peak >= every row
+        peak = m.var(1.0, 0.0, math.inf)  # GiB; peak >= every row
         m.unfixable.add(peak)
         for terms in program.memory_rows(2.0**30, in_flight):
-            m.row(terms + [(peak, -1.0)], -highspy.kHighsInf, 0.0)
+            m.row(terms + [(peak, -1.0)], -math.inf, 0.0)
         status, values, obj, _how, _gap = m.solve(time_limit, False)
         if values is None or obj is None:
             return None
@@ -160,13 +160,13 @@ class PlacementSolver:
             how,
             gap,
         )
-        if status == highspy.HighsModelStatus.kInfeasible or values is None:
-            if status == highspy.HighsModelStatus.kTimeLimit:
+        if status == INFEASIBLE or values is None:
+            if status == TIME_LIMIT:
                 raise PlannerError(
                     f"solver hit the {time_limit}s time limit without a feasible plan"
                 )
             return None
-        if status != highspy.HighsModelStatus.kOptimal:
+        if status != OPTIMAL:
             log.warning(
                 "solver stopped with status %s; the plan is feasible, proven within %s of optimal",
                 status,

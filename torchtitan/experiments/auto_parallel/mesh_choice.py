@@ -252,7 +252,7 @@ def search_job_meshes(
     # applies the chosen plan from it (`parallelize_auto`)
     # searched in a child process, whose heap goes with it, unless the pipelined candidates'
     # stage plans must come back into this one (`stage_plans`)
-    in_child = search if piped else lambda: run_in_child(search)
+    run_search = search if piped else lambda: run_in_child(search)
     with planner if planner is not None else contextlib.nullcontext():
-        result = MeshSearch.from_json(on_rank0(in_child))
+        result = MeshSearch.from_json(on_rank0(run_search))
     return result, by_mesh[result.best.mesh], planner

@@ -311,10 +311,12 @@ def _parallelize(
             share, in_flight = (stage.stages_per_rank, stage.in_flight) if stage else (1, 1.0)
             add_job_constraints(autop, names, loss_parallel, job_config, share, in_flight)
             cache_dir = plan_cache_folder(job_config)
+            # solved in a child process: this one trains next, without the planner's heap
             if path := job_plan_file(job_config):
-                plan = autop.plan_from_file(path, broadcast=True, cache_dir=cache_dir)
+                plan = autop.plan_from_file(
+                    path, broadcast=True, cache_dir=cache_dir, in_child=True
+                )
             else:
-                # in a child process: this one trains next, without the planner's heap
                 plan = autop.optimize_placement(broadcast=True, cache_dir=cache_dir, in_child=True)
             check_plan_fits(plan)
             parallel_model = autop.apply_placement(plan)
