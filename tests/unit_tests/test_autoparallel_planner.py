@@ -323,6 +323,72 @@ def test_deep_stack_is_planned_from_a_shallow_trace_and_applied_to_every_block(t
         ), n
 
 
+def _record_traces(monkeypatch) -> list[bool]:
+    """Every trace the planner makes from now on (True: a shallow one)."""
+    from torchtitan.autoparallel.trace import planning
+
+    made: list[bool] = []
+    real = planning.trace_joint
+
+    def recorded(*args, shallow=False, **kwargs):
+        made.append(shallow)
+        return real(*args, shallow=shallow, **kwargs)
+
+    monkeypatch.setattr(planning, "trace_joint", recorded)
+    return made
+
+
+def _stack_planner(mesh, batch: int = 8) -> AutoParallel:
+    return AutoParallel(
+        meta(MLPStack, n_layers=6),
+        lambda: torch.randn(batch, 4, 32),
+        mesh,
+        cost_model="h100",
+        trace_on_enter=False,
+    )
+
+
+def test_a_planner_that_traces_on_first_need_makes_the_same_plan(monkeypatch):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    eager, _ = plan_for(meta(MLPStack, n_layers=6), (8, 4, 32), mesh, high=None)
+    traces = _record_traces(monkeypatch)
+    with _stack_planner(mesh) as autop:
+        autop.add_parameter_memory_constraint(high=None)
+        autop.add_input_constraints([(Shard(0), Replicate())])
+        autop.add_output_constraints([(Shard(0), Replicate())])
+        assert traces == []  # neither entering nor the constraints traced the model
+        plan = autop.optimize_placement()
+    assert traces == [True]  # the shallow planning trace, once
+    assert (plan.params, plan.inputs, plan.outputs) == (eager.params, eager.inputs, eager.outputs)
+    assert plan.predicted == eager.predicted
+    assert plan.timings["trace"] > 0
+
+
+def test_a_constraint_added_before_the_trace_is_checked_when_planning():
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with _stack_planner(mesh, batch=6) as autop:
+        autop.add_input_constraints([(Shard(0),)])  # 6 rows on 8 ranks: checked once traced
+        with pytest.raises(ConstraintError, match="input 0 dim 0 has size 6, which the 8 ranks"):
+            autop.optimize_placement()
+
+
+def test_a_process_that_receives_its_plan_traces_only_the_whole_model(monkeypatch):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    plan, _ = plan_for(meta(MLPStack, n_layers=6), (8, 4, 32), mesh, high=None)
+    traces = _record_traces(monkeypatch)
+    with _stack_planner(mesh) as receiver:
+        receiver.add_input_constraints([(Shard(0), Replicate())])
+        receiver.trace_for_apply()  # what it does while another process plans
+        pm = receiver.apply_placement(Plan.from_json(plan.to_json()))
+    assert traces == [False]  # one trace, of the whole model
+    for n, p in pm.named_parameters():
+        assert _placement_text(p.placements) == plan.params[n], n
+
+
+def _placement_text(placements) -> str:
+    return ",".join("R" if isinstance(x, Replicate) else f"S({x.dim})" for x in placements)
+
+
 class BranchesOnDepth(nn.Module):
     """Identical blocks whose forward differs by position: a shallow trace cannot stand for it."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -38,6 +39,39 @@ def _fragmenting_step() -> str:
 
 def test_the_answer_comes_from_another_process():
     assert run_in_child(lambda: str(os.getpid())) != str(os.getpid())
+
+
+def test_this_process_works_meanwhile(tmp_path):
+    """The child waits for what `meanwhile` does in this process: it sees it only if the
+    two run at the same time."""
+    signal_file = tmp_path / "traced"
+
+    def waits_for_the_parent() -> str:
+        deadline = time.monotonic() + 60
+        while not signal_file.exists():
+            if time.monotonic() > deadline:
+                return "alone"
+            time.sleep(0.01)
+        return "together"
+
+    assert run_in_child(waits_for_the_parent, meanwhile=signal_file.touch) == "together"
+
+
+def test_the_child_is_reaped_when_meanwhile_fails(monkeypatch):
+    reaped = []
+
+    def waitpid(pid: int, options: int) -> tuple[int, int]:
+        reaped.append(os.waitstatus_to_exitcode(real_waitpid(pid, options)[1]))
+        return pid, 0
+
+    def fails() -> None:
+        raise ValueError("meanwhile broke")
+
+    real_waitpid = os.waitpid
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    with pytest.raises(ValueError, match="meanwhile broke"):
+        run_in_child(lambda: "planned", meanwhile=fails)
+    assert reaped == [0]  # the child answered, left and was waited for
 
 
 def test_a_planner_error_comes_back_as_itself():
@@ -82,3 +116,6 @@ def test_no_fork_once_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert not child_process.can_fork()
     assert run_in_child(lambda: str(os.getpid())) == str(os.getpid())
+    calls: list[str] = []
+    run_in_child(lambda: str(calls.append("plan")), meanwhile=lambda: calls.append("meanwhile"))
+    assert calls == ["plan", "meanwhile"]  # one after the other, both here

@@ -7,7 +7,8 @@
         plan = autop.optimize_placement()
         parallel_model = autop.apply_placement(plan)
 
-Entering traces the model (trace/); `optimize_placement` enumerates strategies on first use
+Entering traces the model (trace/; with `trace_on_enter=False` on first need, for a process
+that may receive its plan from another); `optimize_placement` enumerates strategies on first use
 (strategies/), freezes everything a solve depends on into a `PlanningProblem`
 (solve/problem.py), solves it (solve/) and writes the `Plan` (plan/); `apply_placement`
 accepts that plan (or one loaded from JSON) and returns the parallel module (execute/).
@@ -61,7 +62,7 @@ from .solve.constraints import (
 from .solve.problem import ModelFacts, PlanningProblem, PlanSettings
 from .solve.solver import PlacementSolver
 from .trace import repeat
-from .trace.joint import check_on_meta, trace_joint
+from .trace.joint import check_on_meta
 from .trace.planning import PlanningTrace
 
 log = logging.getLogger(__name__)
@@ -78,17 +79,20 @@ def _is_multirank() -> bool:
     )
 
 
-def on_rank0(fn: Callable[[], str], group=None) -> str:
+def on_rank0(fn: Callable[[], str], group=None, meanwhile: Callable[[], None] | None = None) -> str:
     """Run `fn` on rank 0 of `group` (default: every rank) only and return its text on every
-    rank of it (as is without a multi-rank process group).  An error there is raised on
-    every rank: a `PlannerError` as the same error with the same message, anything else as
-    a RuntimeError naming it — never a rank left waiting in the broadcast."""
+    rank of it (as is without a multi-rank process group); the other ranks run `meanwhile()`
+    while they wait.  An error there is raised on every rank: a `PlannerError` as the same
+    error with the same message, anything else as a RuntimeError naming it — never a rank
+    left waiting in the broadcast."""
     if not _is_multirank():
         return fn()
     import torch.distributed as dist
 
     box: list = [None]
     failure = None
+    if dist.get_rank(group) != 0 and meanwhile is not None:
+        meanwhile()
     if dist.get_rank(group) == 0:
         try:
             box = [("ok", fn())]
@@ -127,6 +131,10 @@ class AutoParallel:
     `MIN_BLOCKS` or more identical children); `block_containers` names containers whose
     children are blocks however few there are (a pipeline stage's share of a stack), so
     that per-block recomputation and re-gathering apply to them too.
+    `trace_on_enter=False` makes the planning trace when first needed (planning, or
+    `tg`), not on entering, and checks the constraints added before it against it then: a
+    process that receives its plan (`optimize_placement(broadcast=True)` off rank 0) never
+    makes it, and traces only the whole model, which `apply_placement` runs the plan on.
 
     `reshard_after_forward` says which FSDP units gather their parameters again in the
     backward instead of keeping them (policies/regather.py): True/"always", False/"never",
@@ -154,6 +162,7 @@ class AutoParallel:
         reshard_after_forward: bool | str = True,
         recompute: str | dict[str, str] = "none",
         block_containers: Sequence[str] = (),
+        trace_on_enter: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise PlannerError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -167,6 +176,7 @@ class AutoParallel:
         self.cost_model = resolve_cost_model(cost_model)
         self.share_repeated = share_repeated
         self.block_containers = tuple(block_containers)
+        self.trace_on_enter = trace_on_enter
         # checked now; recompute is checked against the model's blocks once traced
         self.settings = PlanSettings(
             recompute=check_recompute_setting(recompute),
@@ -181,6 +191,8 @@ class AutoParallel:
         )
         self.timings: dict[str, float] = {}
         self._constraints: list[UserConstraint] = []
+        # what the constraint methods do once the planning trace is made, in their order
+        self._pending: list[Callable[[PlanningTrace], None]] = []
         self._trace: PlanningTrace | None = None
         self._mesh_stage: Candidates | None = None
         # strategy memos per mesh shape, shared with the `on_mesh` planners of this trace
@@ -188,11 +200,11 @@ class AutoParallel:
 
     # ------------------------------------------------------------------ stage 1: trace
     def __enter__(self) -> AutoParallel:
-        t = time.perf_counter()
-        self._trace = PlanningTrace.of(
+        self._trace = PlanningTrace(
             self.model, self.input_fn, self.param_dtype, self.share_repeated, self.block_containers
         )
-        self.timings["trace"] = time.perf_counter() - t
+        if self.trace_on_enter:
+            self._traced()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -201,7 +213,7 @@ class AutoParallel:
     @property
     def tg(self):
         """The planning trace (shallow when the model repeats blocks)."""
-        return self._require_entered().tg
+        return self._traced().tg
 
     @property
     def blocks(self) -> list[repeat.RepeatedBlocks]:
@@ -214,6 +226,25 @@ class AutoParallel:
                 "use AutoParallel as a context manager ('with AutoParallel(...) as autop')"
             )
         return self._trace
+
+    def _traced(self) -> PlanningTrace:
+        """The planning trace, made now if it was not yet, with the constraints added before
+        it applied to it."""
+        trace = self._require_entered()
+        if not trace.made:
+            trace.make()
+            self.timings["trace"] = trace.seconds
+        while self._pending:
+            self._pending.pop(0)(trace)
+        return trace
+
+    def _when_traced(self, step: Callable[[PlanningTrace], None]) -> None:
+        """Run `step` on the planning trace now if it exists, else once it is made."""
+        trace = self._require_entered()
+        if trace.made and not self._pending:
+            step(trace)
+        else:
+            self._pending.append(step)
 
     def on_mesh(self, mesh: DeviceMesh) -> AutoParallel:
         """The same model, trace and settings on another mesh, with no constraints yet.
@@ -228,6 +259,7 @@ class AutoParallel:
         other.mesh = mesh
         other.timings = {"trace": 0.0}
         other._constraints = []
+        other._pending = []
         other._mesh_stage = None
         return other
 
@@ -238,11 +270,19 @@ class AutoParallel:
     def full_graph(self):
         """The joint graph of the whole model (traced on first use when planning was shallow)."""
         trace = self._require_entered()
-        if trace.full is None:
-            t = time.perf_counter()
-            trace.full = trace_joint(self.model, self.input_fn, self.param_dtype, trace.blocks)
-            self.timings["trace_full"] = time.perf_counter() - t
-        return trace.full
+        full = trace.full
+        if trace.full_seconds:
+            self.timings["trace_full"] = trace.full_seconds
+        return full
+
+    def trace_for_apply(self) -> None:
+        """Trace the whole model now if it traces, for `apply_placement` (run while another
+        process makes the plan); a failure is left to `apply_placement`, which traces again
+        and raises it once the plan, or the planning's own error, has arrived."""
+        try:
+            self.full_graph()
+        except Exception as e:  # noqa: BLE001 - raised again where it matters (apply)
+            log.info("tracing the whole model ahead of apply failed (%s); left to apply", e)
 
     # ------------------------------------------------------------------ stage 2: strategies
     def prepare(self) -> None:
@@ -253,7 +293,7 @@ class AutoParallel:
     def _strategies(self) -> Candidates:
         if self._mesh_stage is None:
             self._mesh_stage = Candidates.build(
-                self._require_entered().tg,
+                self._traced().tg,
                 self.mesh,
                 self.cost_model,
                 self.param_dtype,
@@ -272,14 +312,17 @@ class AutoParallel:
     def set_recompute(self, recompute: str | dict[str, str]) -> None:
         """Change the `recompute` setting (see the class docstring) before solving; a dict
         may name blocks of `self.blocks` once entered."""
-        trace = self._require_entered()
         recompute = check_recompute_setting(recompute)
-        solver_setting(recompute, trace.blocks, trace.tg.shallow)  # raises if it cannot apply
+
+        def check(trace: PlanningTrace) -> None:  # raises if it cannot apply to the blocks
+            solver_setting(recompute, trace.blocks, trace.tg.shallow)
+
+        self._when_traced(check)
         self.settings = dataclasses.replace(self.settings, recompute=recompute)
 
     def clear_constraints(self) -> None:
         """Drop every pin and budget added so far (to solve again under other constraints)."""
-        self._constraints = []
+        self._when_traced(lambda _trace: self._constraints.clear())
 
     # ------------------------------------------------------------------ constraints
     def add_parameter_memory_constraint(
@@ -292,7 +335,6 @@ class AutoParallel:
         floored at its smallest achievable fraction, so unshardable tensors don't make it
         infeasible.
         """
-        self._require_entered()
         self._replace(ParameterBudget, parameter_budget(low, high, self.mesh.size()))
 
     def add_memory_constraint(self, bytes_per_rank: int | float, in_flight: float = 1.0) -> None:
@@ -300,44 +342,50 @@ class AutoParallel:
         element) + saved activations (forward tensors the backward reads), see cost/memory.py.
         A pipeline stage holds `in_flight` microbatches' saved activations at once: the
         plan must fit with that many."""
-        self._require_entered()
         self._replace(MemoryBudget, memory_budget(bytes_per_rank, in_flight))
 
     def add_expert_parallel_constraint(self, mesh_dim: int | str) -> None:
         """Split the routed experts (`titan.routed_experts`) over `mesh_dim` (an index or a
         name), tokens dispatched to them by all-to-all; without it the solver chooses
         between that and replicated or hidden-split experts on every mesh dim."""
-        self._require_entered()
         self._replace(CollectiveDim, expert_parallel(self.mesh, mesh_dim))
 
     def _replace(self, kind: type, constraint: UserConstraint) -> None:
-        self._constraints = [c for c in self._constraints if not isinstance(c, kind)]
-        self._constraints.append(constraint)
+        def replace(_trace: PlanningTrace) -> None:
+            self._constraints[:] = [c for c in self._constraints if not isinstance(c, kind)]
+            self._constraints.append(constraint)
+
+        self._when_traced(replace)
 
     def add_input_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened input (None leaves that input free)."""
-        tg = self._require_entered().tg
-        self._constraints += input_pins(tg, self.mesh, placements)
+        self._when_traced(
+            lambda trace: self._constraints.extend(input_pins(trace.tg, self.mesh, placements))
+        )
 
     def add_output_constraints(self, placements: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple per flattened forward output (None leaves it free)."""
-        tg = self._require_entered().tg
-        self._constraints += output_pins(tg, self.mesh, placements)
+        self._when_traced(
+            lambda trace: self._constraints.extend(output_pins(trace.tg, self.mesh, placements))
+        )
 
     def add_parameter_constraint(self, fqn: str, placements: Sequence[Placement]) -> None:
         """Pin one parameter's placement (call before `optimize_placement`)."""
-        trace = self._require_entered()
         if fqn not in self.model_facts.param_shapes:
             raise ConstraintError(f"no parameter named '{fqn}'")
-        traced = trace.traced_name(fqn)
-        pin = parameter_pin(trace.tg, self.mesh, fqn, traced, placements, self._constraints)
-        if pin is not None:
-            self._constraints.append(pin)
+
+        def pin_it(trace: PlanningTrace) -> None:
+            traced = trace.traced_name(fqn)
+            pin = parameter_pin(trace.tg, self.mesh, fqn, traced, placements, self._constraints)
+            if pin is not None:
+                self._constraints.append(pin)
+
+        self._when_traced(pin_it)
 
     # ------------------------------------------------------------------ stages 4, 4b: solve
     def problem(self) -> PlanningProblem:
         """Everything the next solve depends on, frozen (solve/problem.py)."""
-        trace = self._require_entered()
+        trace = self._traced()
         stage = self._strategies()
         t = time.perf_counter()
         pinned = frozenset(c.node for c in self._constraints if isinstance(c, Pin))
@@ -374,7 +422,9 @@ class AutoParallel:
         looked up there first and a new one is written there (plan/cache.py).  With
         `in_child` the strategies, the program and the solve are made in a forked child
         process, whose memory goes back to the system when it exits (child_process.py): for
-        a process that goes on to train.
+        a process that goes on to train.  Such a process applies the plan next, so while the
+        plan is made (here by the child, elsewhere by rank 0) it traces the whole model for
+        `apply_placement` (`trace_for_apply`).
         """
         self._require_entered()
         if not (broadcast or in_child) and cache_dir is None:
@@ -386,10 +436,12 @@ class AutoParallel:
                 return self._solve(problem, verbose).to_json()
             return cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
 
-        def made() -> str:
-            return run_in_child(plan_text) if in_child else plan_text()
+        meanwhile = self.trace_for_apply if in_child else None
 
-        text = on_rank0(made, self._mesh_group()) if broadcast else made()
+        def made() -> str:
+            return run_in_child(plan_text, meanwhile) if in_child else plan_text()
+
+        text = on_rank0(made, self._mesh_group(), meanwhile) if broadcast else made()
         return Plan.from_json(text)
 
     def plan_from_file(
@@ -463,10 +515,11 @@ class AutoParallel:
             plan = self.optimize_placement()
         if not isinstance(plan, Plan):
             raise PlannerError(f"apply_placement expects a Plan, got {type(plan).__name__}")
-        tg = self.tg
         if plan.blocks:  # planned on a shallow trace: run it on the whole model's graph
             tg = self.full_graph()
             plan = expand_plan(plan, tg)
+        else:
+            tg = self.tg
         t = time.perf_counter()
         executor = lowered_executor(
             tg, plan, self.mesh, self.reduce_dtype, list(self.model_facts.units)

@@ -33,10 +33,14 @@ def can_fork() -> bool:
     return sys.platform == "linux" and not torch.cuda.is_initialized()
 
 
-def run_in_child(fn: Callable[[], str]) -> str:
-    """`fn()` computed in a forked child process (in this one where `can_fork` is False)."""
+def run_in_child(fn: Callable[[], str], meanwhile: Callable[[], None] | None = None) -> str:
+    """`fn()` computed in a forked child process (in this one where `can_fork` is False);
+    this process runs `meanwhile()` while it waits (after `fn` where there is no child)."""
     if not can_fork():
-        return fn()
+        text = fn()
+        if meanwhile is not None:
+            meanwhile()
+        return text
     sys.stdout.flush()  # else the child would write this process's buffered text again
     sys.stderr.flush()
     read_end, write_end = os.pipe()
@@ -51,9 +55,13 @@ def run_in_child(fn: Callable[[], str]) -> str:
         _answer(fn, write_end)
     gc.unfreeze()
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        data = pipe.read()
-    _, status = os.waitpid(pid, 0)
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:  # the child is reaped whatever `meanwhile` did
+        with os.fdopen(read_end, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
     if not data:
         raise RuntimeError(f"the planning process ended without a plan ({_how(status)})")
     return _result(json.loads(data))

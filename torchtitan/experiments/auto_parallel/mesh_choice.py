@@ -250,9 +250,17 @@ def search_job_meshes(
         planner = planner_for_job(model, mesh, job_config, vocab_size, global_batch)
     # the job's one trace: rank 0 plans every candidate from it, and every rank
     # applies the chosen plan from it (`parallelize_auto`)
-    # searched in a child process, whose heap goes with it, unless the pipelined candidates'
-    # stage plans must come back into this one (`stage_plans`)
-    run_search = search if piped else lambda: run_in_child(search)
+    # Without pipelined candidates (whose stage plans must come back into this process,
+    # `stage_plans`) the search runs in a child process, whose heap goes with it, and every
+    # rank meanwhile traces the whole model, which the chosen plan is applied to.
     with planner if planner is not None else contextlib.nullcontext():
-        result = MeshSearch.from_json(on_rank0(run_search))
+        if planner is not None and not piped:
+            meanwhile = planner.trace_for_apply
+
+            def search_in_child() -> str:
+                return run_in_child(search, meanwhile)
+
+            result = MeshSearch.from_json(on_rank0(search_in_child, meanwhile=meanwhile))
+        else:
+            result = MeshSearch.from_json(on_rank0(search))
     return result, by_mesh[result.best.mesh], planner

@@ -153,7 +153,9 @@ def planner_for_job(
     stage: StageIO | None = None,
 ) -> AutoParallel:
     """The planner for this job's model and precision on `mesh` (not yet entered); for a
-    pipeline `stage` after the first, its input is the hidden states it receives."""
+    pipeline `stage` after the first, its input is the hidden states it receives.  Rank 0
+    plans and the others receive its plan, so the planning trace is made where it is
+    needed (in rank 0's planning process), not on entering."""
     training = job_config.training
     settings = planner_settings(job_config)
 
@@ -178,6 +180,7 @@ def planner_for_job(
         solver_proof_limit=settings.solver_proof_limit_seconds,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
         block_containers=(stage.container,) if stage is not None and stage.container else (),
+        trace_on_enter=False,
     )
 
 
