@@ -382,14 +382,13 @@ def _count_calls(monkeypatch, counts: dict[str, int], key: str, owners, name: st
             monkeypatch.setattr(owner, name, counted)
 
 
-def test_a_searched_job_traces_once_and_solves_each_candidate_once(
-    fake_world, monkeypatch, tmp_path
-):
-    """The trainer's start for tp auto on 4 ranks with the plan cache off: the search plans
-    the 3 candidate meshes from one trace, and the chosen mesh's plan is applied from that
-    trace (2 traces: the planning one, of the first, second and last block, and the whole
-    model's graph the plan runs on; 3 solves), nothing written into the user's config.
-    Before, the chosen mesh was traced and solved again (3 traces, 4 solves)."""
+def test_a_searched_job_traces_once_and_solves_each_program_once(fake_world, monkeypatch, tmp_path):
+    """The trainer's start for dp_replicate and tp auto on 4 ranks with the plan cache off:
+    the search plans the 6 candidate meshes from one trace, solving the 4 distinct programs
+    among them (dp_replicate 4 and dp_shard 4 are one program, so are dp_replicate 2 x tp 2
+    and dp_shard 2 x tp 2), and the chosen mesh's plan is applied from that trace (2 traces:
+    the planning one, of the first, second and last block, and the whole model's graph the
+    plan runs on), nothing written into the user's config."""
     import sys
 
     import torchtitan.autoparallel.trace.joint as joint
@@ -406,13 +405,15 @@ def test_a_searched_job_traces_once_and_solves_each_candidate_once(
         if module_name.startswith("torchtitan.autoparallel") and module is not joint
     ]
     _count_calls(monkeypatch, counts, "trace", planner_modules, "trace_joint")
-    # the plan cache is off, so each optimize_placement is one solve
-    _count_calls(monkeypatch, counts, "solve", [AutoParallel], "optimize_placement")
+    # the plan cache is off, so each solve_problem is one solve
+    _count_calls(monkeypatch, counts, "solve", [AutoParallel], "solve_problem")
     # planned in this process (not a forked child), where the calls are counted
     monkeypatch.setattr(child_process, "can_fork", lambda: False)
     job_config = _config(
         "--model.name",
         "llama3_auto_parallel",
+        "--parallelism.data_parallel_replicate_degree",
+        "auto",
         "--parallelism.tensor_parallel_degree",
         "auto",
         "--training.local_batch_size",
@@ -428,7 +429,7 @@ def test_a_searched_job_traces_once_and_solves_each_candidate_once(
     typed = job_config.to_dict()
     with fake_world(4):
         trainer = Trainer(job_config)
-    assert counts == {"trace": 2, "solve": 3}
+    assert counts == {"trace": 2, "solve": 4}
     assert job_config.to_dict() == typed and trainer.user_config is job_config
     resolved = trainer.resolved
     assert resolved.mesh_searched and resolved.global_batch_size == 4

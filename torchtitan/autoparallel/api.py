@@ -431,10 +431,7 @@ class AutoParallel:
             return self._solve(self.problem(), verbose)
 
         def plan_text() -> str:
-            problem = self.problem()
-            if cache_dir is None:
-                return self._solve(problem, verbose).to_json()
-            return cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
+            return self.solve_problem(self.problem(), cache_dir, verbose).to_json()
 
         meanwhile = self.trace_for_apply if in_child else None
 
@@ -442,6 +439,16 @@ class AutoParallel:
             return run_in_child(plan_text, meanwhile) if in_child else plan_text()
 
         text = on_rank0(made, self._mesh_group(), meanwhile) if broadcast else made()
+        return Plan.from_json(text)
+
+    def solve_problem(
+        self, problem: PlanningProblem, cache_dir: str | Path | None = None, verbose: bool = False
+    ) -> Plan:
+        """The plan of `problem` (`problem()`), in this process: looked up in `cache_dir` first
+        and written there when new, if given."""
+        if cache_dir is None:
+            return self._solve(problem, verbose)
+        text = cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
         return Plan.from_json(text)
 
     def plan_from_file(

@@ -21,6 +21,7 @@ under this cost model; `MeshSearch.proven_margin` says by how much.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,7 +34,9 @@ from typing import Any
 from torchtitan.torch_private import planning_mesh
 
 from .errors import PlannerError
+from .plan.cache import cached_or_solved, plan_key
 from .plan.plan import Plan
+from .solve.problem import PlanningProblem
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +275,12 @@ def plan_candidates(
     device_type: str = "cpu",
 ) -> list[tuple[CandidateResult, Plan | None]]:
     """Each candidate's result and plan (None where it has none: the result says why),
-    planned from `autop`'s trace under `constrain`'s constraints."""
+    planned from `autop`'s trace under `constrain`'s constraints.  A candidate whose program
+    is one already solved under other mesh-dim names (dp_replicate 4 after dp_shard 4: the
+    planner places the parameters itself, so the names do not change the program) takes
+    that plan, renamed, without solving."""
     out = []
+    solved: dict[str, tuple[MeshCandidate, Plan]] = {}  # program key -> first candidate, plan
     for cand in candidates:
         t0 = time.perf_counter()
         sub = autop.on_mesh(planning_mesh(device_type, cand.shape, cand.names))
@@ -281,7 +288,15 @@ def plan_candidates(
         plan: Plan | None = None
         try:
             constrain(sub, cand)
-            plan = sub.optimize_placement(cache_dir=cache_dir)
+            problem = sub.problem()
+            program = plan_key(problem, names=False)
+            if program in solved:
+                twin, twin_plan = solved[program]
+                plan = _renamed(twin_plan, problem, cache_dir)
+                result.detail = f"the program of {twin.label()} under other names: its plan"
+            else:
+                plan = sub.solve_problem(problem, cache_dir)
+                solved[program] = (cand, plan)
             result.predicted = dict(plan.predicted)
             result.gap = proven_gap(plan)
             result.objective = plan.solver.get("objective")
@@ -296,6 +311,15 @@ def plan_candidates(
         )
         out.append((result, plan))
     return out
+
+
+def _renamed(plan: Plan, problem: PlanningProblem, cache_dir: str | Path | None) -> Plan:
+    """`plan` for `problem`'s mesh-dim names (cached under its own key, like a solved one)."""
+    names = list(problem.mesh.mesh_dim_names or ())
+    renamed = dataclasses.replace(plan, mesh_dim_names=names)
+    if cache_dir is None:
+        return renamed
+    return Plan.from_json(cached_or_solved(problem, Path(cache_dir), lambda: renamed))
 
 
 def choose(

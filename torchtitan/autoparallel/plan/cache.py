@@ -29,7 +29,11 @@ from .plan_file import edited_parameters
 log = logging.getLogger(__name__)
 
 
-def plan_key(problem: PlanningProblem) -> str:
+def plan_key(problem: PlanningProblem, names: bool = True) -> str:
+    """The cache key of `problem`'s plan.  With `names=False` the names of the mesh dims and
+    of the constraints (the words of messages) are left out: the key of the program alone,
+    which two meshes share when only their dims' names differ (dp_shard 4 and dp_replicate 4
+    are one program: the planner places parameters itself)."""
     constraints = [
         {
             "type": type(c).__name__,
@@ -42,6 +46,7 @@ def plan_key(problem: PlanningProblem) -> str:
                     else getattr(c, f.name)
                 )
                 for f in dataclasses.fields(c)
+                if names or f.name != "name"
             },
         }
         for c in problem.constraints
@@ -51,7 +56,10 @@ def plan_key(problem: PlanningProblem) -> str:
             "graph": graph_fingerprint(problem.tg.gm),  # ops only: the shapes follow
             "param_shapes": {f: list(s) for f, s in problem.model.param_shapes.items()},
             "input_shapes": [list(n.meta["val"].shape) for n in problem.tg.inputs],
-            "mesh": [list(problem.mesh.shape), list(problem.mesh.mesh_dim_names or ())],
+            "mesh": [
+                list(problem.mesh.shape),
+                list(problem.mesh.mesh_dim_names or ()) if names else [],
+            ],
             "constraints": constraints,
             "precision": [str(problem.param_dtype), str(problem.reduce_dtype)],
             "cost_model": repr(problem.cost_model),
