@@ -8,11 +8,13 @@ the model or machine rules out: a tp degree must pass `tensor_parallel_misfits` 
 the hand-written spec's check applies too: heads, hidden sizes, the vocabulary with loss
 parallelism, the sequence) and stay within one node (`CostModel.gpus_per_node`, when the
 profile says `tp_within_node`); the data-parallel degree must divide the global batch,
-which is the same for every candidate.  Every rank traces the model once; rank 0 plans
-each candidate from that trace with the job's own constraints (`autoparallel.mesh_search`)
-and every rank receives the choice and its plan, which `parallelize_auto` applies from
-the same trace without solving again (`SearchedPlan`).  With the plan cache on, every
-candidate's plan is cached, so a restart makes the same choice without solving.
+which is the same for every candidate.  Rank 0's planning process traces the model once
+and plans each candidate from that trace with the job's own constraints
+(`autoparallel.mesh_search`; candidates that differ only in their dims' names are one
+program, solved once); meanwhile every rank traces the whole model, and every rank
+receives the choice and its plan, which `parallelize_auto` applies to that trace without
+solving again (`SearchedPlan`).  With the plan cache on, every candidate's plan is cached,
+so a restart makes the same choice without solving.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def choose_mesh(
     mesh (`search_job_meshes`), and for a mesh without pipeline stages its plan with the
     planner that traced the model (`SearchedPlan`, for `parallelize_auto`; a pipelined
     mesh's stages are planned when the trainer builds them, its schedule comes with it);
-    call on every rank (each traces, rank 0 searches, the others receive its answer)."""
+    call on every rank (rank 0 searches, the others receive its answer)."""
     try:
         result, degrees, planner = search_job_meshes(
             model, model_args, job_config, world_size, global_batch, vocab_size, pipeline
