@@ -35,7 +35,7 @@ from .cost.model import CostModel, resolve_cost_model
 from .errors import ConstraintError, PlannerError
 from .execute.apply import build_parallel_module, lowered_executor
 from .graph.placements import parse as parse_placements
-from .plan.cache import cached_or_solved
+from .plan.cache import cached_plan
 from .plan.display import plan_table
 from .plan.expand import expand_plan
 from .plan.plan import Plan
@@ -446,10 +446,7 @@ class AutoParallel:
     ) -> Plan:
         """The plan of `problem` (`problem()`), in this process: looked up in `cache_dir` first
         and written there when new, if given."""
-        if cache_dir is None:
-            return self._solve(problem, verbose)
-        text = cached_or_solved(problem, Path(cache_dir), lambda: self._solve(problem, verbose))
-        return Plan.from_json(text)
+        return cached_plan(problem, cache_dir, lambda: self._solve(problem, verbose))
 
     def plan_from_file(
         self,

@@ -34,7 +34,7 @@ from typing import Any
 from torchtitan.torch_private import planning_mesh
 
 from .errors import PlannerError
-from .plan.cache import cached_or_solved, plan_key
+from .plan.cache import cached_plan, plan_key
 from .plan.plan import Plan
 from .solve.problem import PlanningProblem
 
@@ -316,10 +316,7 @@ def plan_candidates(
 def _renamed(plan: Plan, problem: PlanningProblem, cache_dir: str | Path | None) -> Plan:
     """`plan` for `problem`'s mesh-dim names (cached under its own key, like a solved one)."""
     names = list(problem.mesh.mesh_dim_names or ())
-    renamed = dataclasses.replace(plan, mesh_dim_names=names)
-    if cache_dir is None:
-        return renamed
-    return Plan.from_json(cached_or_solved(problem, Path(cache_dir), lambda: renamed))
+    return cached_plan(problem, cache_dir, lambda: dataclasses.replace(plan, mesh_dim_names=names))
 
 
 def choose(

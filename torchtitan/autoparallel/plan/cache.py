@@ -103,3 +103,13 @@ def cached_or_solved(problem: PlanningProblem, folder: Path, solve: Callable[[],
     tmp.write_text(text)
     tmp.rename(path)  # never leave a half-written plan behind
     return text
+
+
+def cached_plan(
+    problem: PlanningProblem, folder: str | Path | None, make: Callable[[], Plan]
+) -> Plan:
+    """`make()` for `problem`, through the cache in `folder` (`cached_or_solved`) when one
+    is given."""
+    if folder is None:
+        return make()
+    return Plan.from_json(cached_or_solved(problem, Path(folder), make))
