@@ -122,8 +122,12 @@ TorchDispatchMode, get_current_dispatch_mode_stack = _require(
 )
 (set_element,) = _require("torch.distributed.checkpoint._nested_dict", "set_element")
 
-# expert parallelism: a process group named by a graph's string argument
+# expert parallelism: a process group named by a graph's string argument; a group registered
+# under a second name (compiled graphs that name groups by role: execute/shared_compile.py)
 (resolve_process_group,) = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
+(register_process_group,) = _require("torch._C._distributed_c10d", "_register_process_group")
+# a lock file shared by a machine's processes (one of them compiles a graph, as inductor does)
+(FileLock,) = _require("torch.utils._filelock", "FileLock")
 
 
 def planning_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):

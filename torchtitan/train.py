@@ -46,25 +46,6 @@ from torchtitan.tools.local_processes import die_with_parent
 from torchtitan.tools.logging import init_logger, logger, repeated_warnings_summary
 
 
-def _tag_compiled_graphs_with_rank(rank: int) -> None:
-    """Keep this rank's compiled graphs apart from the other ranks' in the compile caches
-    they share (`torch.compiler.config.cache_key_tag` gains `rank<rank>`).
-
-    Ranks of a machine share inductor's cache folder (`$TORCHINDUCTOR_CACHE_DIR`, or
-    inductor's default): a kernel, cached by its source, is compiled once by the first rank
-    that needs it while the others wait on inductor's lock for it and load it.  A compiled
-    *graph* must not be shared: it hard-codes the names of the process groups it calls,
-    which differ between ranks, and inductor's graph key does not tell them apart (a warm
-    run without the tag fails: "Could not resolve the process group registered under the
-    name 4").  Must run before anything is compiled.
-    """
-    import torch.compiler.config as compiler_config
-
-    tag = f"rank{rank}"
-    given = compiler_config.cache_key_tag
-    compiler_config.cache_key_tag = f"{given}-{tag}" if given else tag
-
-
 class Trainer:
     """`user_config` is the config as typed (never changed); `job_config` is the resolved
     copy the run uses (`config.resolve`: degrees and batch sizes settled)."""
@@ -78,8 +59,6 @@ class Trainer:
 
         world_size = dist_utils.init_distributed(job_config.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
-        if job_config.compile.enable:
-            _tag_compiled_graphs_with_rank(self.rank)  # before anything is compiled
         self.device = torch.device(dist_utils.device_type())
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())

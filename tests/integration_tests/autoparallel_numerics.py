@@ -281,6 +281,7 @@ def run_one(model_name, mesh_name, world, bf16=False):
     if COMPILE:
         pm.compile()  # the same lowered graphs, compiled by inductor
         model_name += "+compile"
+        compiles_before = graph_compiles()
     # several optimizer steps, a new batch each: a plan that kept anything from the first
     # call (a captured activation, a stale weight) fails from step 2 on
     # eps 1e-3: AdamW moves a parameter by lr * g / (|g| + eps), so a gradient entry far below
@@ -343,12 +344,42 @@ def run_one(model_name, mesh_name, world, bf16=False):
             if not close(p.full_tensor(), names_ref[n].detach(), bf16)
         ]
         check(f"{model_name}/{mesh_name} params after {steps} steps", not bad, str(bad[:3]))
+    if COMPILE:
+        check_compiled_once(model_name, mesh_name, pm, graph_compiles() - compiles_before)
     if recompute:
         check_recomputes(model_name, mesh_name, pm, plan)
     if replicated:
         check_replicated(model_name, mesh_name, pm, plan)
     if base.startswith("moe"):
         check_expert_layout(model_name, mesh_name, pm, expert_parallel)
+
+
+def graph_compiles() -> int:
+    """Graphs inductor compiled in this process so far (not read from its cache)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"]
+
+
+def check_compiled_once(model_name, mesh_name, pm, compiles: int) -> None:
+    """Ranks whose lowered graphs are the same code compile them once on this machine (the
+    others read them from inductor's cache: execute/shared_compile.py), not once per rank;
+    none when the cache is warm.  On a data-parallel mesh that is every rank."""
+    import hashlib
+
+    (lp,) = pm._ap_executor.lowered.values()
+    mine = [hashlib.sha256(g.gm.code.encode()).hexdigest() for g in (lp.fwd, lp.bwd)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    distinct = len({code for codes in everyone for code in codes})
+    total = torch.tensor([compiles])
+    dist.all_reduce(total)
+    check(
+        f"{model_name}/{mesh_name} graphs compiled on this machine: {total.item()} of "
+        f"{distinct} distinct",
+        total.item() <= distinct,
+        f"ranks compiled {compiles} here",
+    )
 
 
 def check_replicated(model_name, mesh_name, pm, plan) -> None:

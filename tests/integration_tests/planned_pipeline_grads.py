@@ -26,7 +26,6 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import plan_stages, split_stages, stage_io
 from torchtitan.experiments.auto_parallel.parallelize import parallelize_llama_auto
 from torchtitan.models.llama3 import Transformer
-from torchtitan.train import _tag_compiled_graphs_with_rank
 
 # the mesh's dims other than pp, and the schedule (the model, batch, steps, loss and init:
 # the hand-written check's); ZBVZeroBubble runs a stage's backward twice (inputs' gradients,
@@ -109,7 +108,6 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
 
 def main() -> int:
     dist.init_process_group("gloo")
-    _tag_compiled_graphs_with_rank(dist.get_rank())  # compiled graphs name this rank's groups
     dump_folder, *names = sys.argv[1:]
     compiled = "compiled" in names
     for name in names:

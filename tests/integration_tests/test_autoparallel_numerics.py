@@ -45,6 +45,14 @@ class Checks:
         return any(text in line for line in self.passed)
 
 
+def _line(checks: Checks, prefix: str) -> str:
+    """The passed check line starting with `prefix`."""
+    lines = [line for line in checks.passed if line.startswith(prefix)]
+    if not lines:
+        pytest.fail(f"no passed check starts with {prefix!r}")
+    return lines[0]
+
+
 def _on_4_ranks(
     *args: str,
     timeout: int = 900,
@@ -239,6 +247,11 @@ def test_expert_parallel_and_replicated_plans_compiled():
     assert "moe+ep+compile/dp4 expert-parallel kernels 4 of 4" in checks
     assert "llama+replicated+compile/dp4 grads x5" in checks
     assert "llama+replicated+compile/dp4 params replicated 21 of 21" in checks
+    # the ranks' graphs name process groups by role, so on dp4 every rank's Llama graphs are
+    # the same code (expert parallelism slices by rank in the backward), and the check
+    # passed only if no more graphs were compiled on the machine than are distinct
+    assert "of 2 distinct" in _line(checks, "llama+replicated+compile/dp4 graphs compiled")
+    assert "of 5 distinct" in _line(checks, "moe+ep+compile/dp4 graphs compiled")
 
 
 @needs_transformers

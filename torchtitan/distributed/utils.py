@@ -26,6 +26,29 @@ def ranks_per_node() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def keep_compiled_graphs_per_rank() -> None:
+    """Keep this rank's compiled graphs apart from the other ranks' in the compile caches
+    they share (`torch.compiler.config.cache_key_tag` gains `rank<rank>`); for graphs that
+    name this rank's process groups, as torch.compile's graphs of DTensor code do.  Call it
+    before compiling them.
+
+    Ranks of a machine share inductor's cache folder (`$TORCHINDUCTOR_CACHE_DIR`, or
+    inductor's default): a kernel, cached by its source, is compiled once by the first rank
+    that needs it while the others wait on inductor's lock for it and load it.  A graph that
+    hard-codes its rank's group names ('3' here, '4' on the next rank) must not be shared:
+    inductor's graph key does not tell the names apart (a warm run without the tag fails:
+    "Could not resolve the process group registered under the name 4").  The planner's
+    compiled graphs name groups by role instead and are shared
+    (autoparallel/execute/shared_compile.py).
+    """
+    import torch.compiler.config as compiler_config
+
+    tag = f"rank{dist.get_rank()}"
+    given = compiler_config.cache_key_tag
+    if tag not in given.split("-"):
+        compiler_config.cache_key_tag = f"{given}-{tag}" if given else tag
+
+
 def init_distributed(init_timeout_seconds: int) -> int:
     """Join the torchrun job: NCCL on GPUs, gloo on CPU.  Returns the world size.
 

@@ -41,6 +41,7 @@ from .buckets import bucket_collectives
 from .in_place import accumulate_in_place
 from .interpret import PlanInterpreter
 from .lower import lower_joint, partition
+from .shared_compile import name_groups_by_role, one_compile_at_a_time
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class LoweredPlan:
             log.info("lowered graphs: %d sums written into an operand that dies at them", in_place)
             self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
+            for gm in (part.fwd, part.bwd):  # the same code on every rank running this program
+                name_groups_by_role(gm, interp.mesh)
             self.fwd = InductorOnFirstCall(part.fwd, compile_options)
             self.bwd = InductorOnFirstCall(part.bwd, compile_options)
 
@@ -192,7 +195,8 @@ class InductorOnFirstCall:
     The example inputs are fake tensors of static shapes in a tracing context whose fake
     mode has a shape env, as dynamo hands them to inductor: without one, inductor's FX graph
     cache bypasses every graph ("No shape env") and a warm start generates all code again.
-    The cache key holds the graph's code, process-group names included."""
+    The cache key holds the graph's code, process-group names included: ranks whose graphs
+    name their groups by role (shared_compile.py) compile a graph once per machine."""
 
     def __init__(self, gm: fx.GraphModule, options: dict):
         self.gm, self.options = gm, options
@@ -214,7 +218,11 @@ class InductorOnFirstCall:
             else a
             for a in args
         ]
-        with torch.no_grad(), tracing(TracingContext(fake_mode)):
+        with (
+            one_compile_at_a_time(self.gm, examples, self.options),
+            torch.no_grad(),
+            tracing(TracingContext(fake_mode)),
+        ):
             compiled = compile_fx(
                 GmWrapper(self.gm, list), examples, config_patches=self.options or None
             )

@@ -35,7 +35,11 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.distributed.parallel_dims import EP, ParallelDims
-from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
+from torchtitan.distributed.utils import (
+    TORCH_DTYPES,
+    keep_compiled_graphs_per_rank,
+    resolve_param_dtype,
+)
 from torchtitan.errors import UserInputError
 from torchtitan.models.deepseek_v3.args import MoEModelArgs
 from torchtitan.models.deepseek_v3.model import MoE
@@ -92,6 +96,7 @@ def parallelize_moe(model: nn.Module, parallel_dims: ParallelDims, job_config: J
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
+        keep_compiled_graphs_per_rank()  # the blocks' graphs name this rank's groups
         for block in _blocks(model):
             block.compile(fullgraph=True)
     training = job_config.training

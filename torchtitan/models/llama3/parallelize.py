@@ -24,7 +24,11 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import StageIO
-from torchtitan.distributed.utils import TORCH_DTYPES, resolve_param_dtype
+from torchtitan.distributed.utils import (
+    TORCH_DTYPES,
+    keep_compiled_graphs_per_rank,
+    resolve_param_dtype,
+)
 from torchtitan.errors import UserInputError
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
@@ -92,6 +96,7 @@ def parallelize_llama(
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable and "model" in job_config.compile.components:
+        keep_compiled_graphs_per_rank()  # the blocks' graphs name this rank's groups
         for block in _blocks(model):
             block.compile(fullgraph=True)
         logger.info("compiled each transformer block with torch.compile")
