@@ -86,8 +86,9 @@ def one_compile_at_a_time(
     from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    settings = {**{"fx_graph_cache": config.fx_graph_cache}, **(options or {})}
-    if not settings["fx_graph_cache"] or config.force_disable_caches:
+    if not (options or {}).get("fx_graph_cache", config.fx_graph_cache) or (
+        config.force_disable_caches
+    ):
         yield
         return
     key = hashlib.sha256(gm.code.encode())
