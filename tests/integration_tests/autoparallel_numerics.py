@@ -192,6 +192,32 @@ def mixed_recompute(blocks) -> dict[str, str]:
     return {f"{b.container}#{i}": cycle[i % 3] for b in blocks for i in range(len(b.keys))}
 
 
+_traced: dict[str, AutoParallel] = {}  # the model being checked -> its planner, entered
+
+
+def planner(model_name, make_model, specs, mesh, recompute) -> AutoParallel:
+    """A planner for `model_name` on `mesh`, traced once for all the meshes it is checked
+    on: each mesh plans on `on_mesh` of the first one's trace, as the mesh search does (the
+    trace holds global shapes only)."""
+    if model_name not in _traced:
+        _traced.clear()  # only the model whose meshes are being checked is kept
+        with torch.device("meta"):
+            meta_model = make_model()
+        bf16 = model_name.endswith("+bf16")
+        _traced[model_name] = AutoParallel(
+            meta_model,
+            lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
+            mesh,
+            cost_model="h100",
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else None,
+            # recomputing blocks also keep (root, last unit) or gather again (the rest)
+            reshard_after_forward="default" if recompute else True,
+        ).__enter__()
+    return _traced[model_name].on_mesh(mesh)
+
+
 def run_one(model_name, mesh_name, world, bf16=False):
     # "<model>+recompute": the model's repeated blocks recompute in the backward (full,
     # selective, none in turn); llama then has 4 layers (a stack needs 4 to be repeated)
@@ -219,36 +245,21 @@ def run_one(model_name, mesh_name, world, bf16=False):
     ref_out = logits(ref(*inputs))
     loss_fn(kind, ref_out, labels).backward()
 
-    with torch.device("meta"):
-        meta_model = make_model()
     t0 = time.perf_counter()
     specs = [(x.shape, x.dtype) for x in inputs]
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else None
-    )
     model_name = model_name + ("+bf16" if bf16 else "")
-    with AutoParallel(
-        meta_model,
-        lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
-        mesh,
-        cost_model="h100",
-        mp_policy=mp,
-        # recomputing blocks also keep (root, last unit) or gather again (the rest)
-        reshard_after_forward="default" if recompute else True,
-    ) as autop:
-        if recompute:
-            autop.set_recompute(mixed_recompute(autop.blocks))
-        if not replicated:
-            autop.add_parameter_memory_constraint()
-        if expert_parallel:
-            autop.add_expert_parallel_constraint(0)
-        autop.add_input_constraints([batch_pin])
-        autop.add_output_constraints([batch_pin])
-        plan = autop.optimize_placement(broadcast=True)  # rank 0 solves, the others receive it
-        plan = Plan.from_json(plan.to_json())  # and a JSON round trip must apply as well
-        pm = autop.apply_placement(plan)
+    autop = planner(model_name, make_model, specs, mesh, recompute)
+    if recompute:
+        autop.set_recompute(mixed_recompute(autop.blocks))
+    if not replicated:
+        autop.add_parameter_memory_constraint()
+    if expert_parallel:
+        autop.add_expert_parallel_constraint(0)
+    autop.add_input_constraints([batch_pin])
+    autop.add_output_constraints([batch_pin])
+    plan = autop.optimize_placement(broadcast=True)  # rank 0 solves, the others receive it
+    plan = Plan.from_json(plan.to_json())  # and a JSON round trip must apply as well
+    pm = autop.apply_placement(plan)
     if EXECUTOR == "dtensor":
         use_reference_executor(pm)
     plan_s = time.perf_counter() - t0
