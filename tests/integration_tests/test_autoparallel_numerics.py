@@ -59,7 +59,12 @@ def _on_4_ranks(
     env: dict | None = None,
     script: str = "autoparallel_numerics.py",
 ) -> Checks:
-    cmd = rank_command(4, [os.path.join(HERE, script), *args], forked=True)
+    # what the ranks would each import later, imported once before the fork
+    models = args[0].split(",") if args else []
+    preload = ["transformers.modeling_utils"] if any(m.startswith("hf") for m in models) else []
+    if (env or {}).get("AP_COMPILE") == "1":
+        preload.append("torch._inductor.compile_fx")
+    cmd = rank_command(4, [os.path.join(HERE, script), *args], forked=True, preload=preload)
     res, records = _launch(cmd, timeout, env)
     if signal := native_crash(res.returncode, res.stdout + res.stderr):  # see harness.py
         warnings.warn(

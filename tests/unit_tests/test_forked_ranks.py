@@ -171,3 +171,24 @@ def test_a_script_that_does_not_parse_fails_in_its_ranks(tmp_path):
     assert res.returncode == 1
     assert "SyntaxError" in res.stderr
     assert res.stderr.count("[forked_ranks] rank ") == 1  # the first; it ends the other
+
+
+def test_preloaded_modules_are_imported_before_the_fork(tmp_path):
+    """A module the target imports only inside a function (here `json.tool`) is found
+    loaded in every rank when `--preload` names it, and a preload that does not import is
+    left to the ranks (the target here never needs it)."""
+    script = _script(
+        tmp_path,
+        """
+        import sys
+
+        sys.stdout.write(f"json.tool loaded: {'json.tool' in sys.modules}\\n")
+        """,
+    )
+    without = _run(rank_command(2, [str(script)], forked=True))
+    with_it = _run(
+        rank_command(2, [str(script)], forked=True, preload=["json.tool", "no_such_module_x"])
+    )
+    assert without.returncode == 0 and with_it.returncode == 0, with_it.stderr
+    assert without.stdout.count("json.tool loaded: False") == 2
+    assert with_it.stdout.count("json.tool loaded: True") == 2

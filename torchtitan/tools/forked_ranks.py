@@ -3,13 +3,15 @@ imports, instead of starting an interpreter per rank as torchrun does.
 
     python -m torchtitan.tools.forked_ranks --nproc 4 -m torchtitan.train --job.config_file ...
     python -m torchtitan.tools.forked_ranks --nproc 2 path/to/check_script.py args...
+    python -m torchtitan.tools.forked_ranks --nproc 4 --preload transformers.modeling_utils ...
 
 On a small CPU machine each rank's interpreter start and imports (torch, DTensor, the
 trainer: ~3.5 CPU-s) cost more than a ten-step test run; here they are paid once.  Before
 forking, this process imports what the target imports at its top level (read from its
-source, never run); each rank then runs the target as `__main__` with torchrun's
-environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
-this process's stdout and stderr.
+source, never run) and the modules `--preload` names (what the target imports later, inside
+a function: an optional dependency, inductor for a compiled run); each rank then runs the
+target as `__main__` with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and this process's stdout and stderr.
 
 A rank that fails ends the others (SIGTERM, then SIGKILL after `GRACE_S`); a rank ended by
 a signal is reported in torchrun's words (`exitcode  : -11 (pid: 12)  (SIGSEGV)`), and the
@@ -43,9 +45,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     """This launcher's options, then `-m MODULE args...` or `SCRIPT args...` as they are."""
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan.tools.forked_ranks",
-        usage="%(prog)s --nproc N (-m MODULE | SCRIPT) [args ...]",
+        usage="%(prog)s --nproc N [--preload MODULE ...] (-m MODULE | SCRIPT) [args ...]",
     )
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start")
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module to import before forking, besides the target's top-level imports "
+        "(repeatable); one that fails to import is left to the rank that needs it",
+    )
     split = 0  # this launcher's options come first; each takes a value, but the help
     while split < len(argv) and argv[split].startswith("-") and argv[split] != "-m":
         split += 1 if "=" in argv[split] or argv[split] in ("-h", "--help") else 2
@@ -87,10 +97,10 @@ def _top_level_imports(source: Path) -> list[str]:
     return names
 
 
-def _warm_up(source: Path | None) -> None:
+def _warm_up(source: Path | None, preload: list[str]) -> None:
     """Import what the target will import, so that the forked ranks find it loaded.  A
     module that fails to import here is left for the rank to import, and to report."""
-    for name in _top_level_imports(source) if source is not None else []:
+    for name in [*(_top_level_imports(source) if source is not None else []), *preload]:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001, S112 - the rank meets the same error, in context
@@ -164,7 +174,7 @@ def launch(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(Path(script).resolve().parent))
     if args.nproc > 1:  # as torchrun: ranks sharing a machine do not each take every core
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _warm_up(_source_of(args.module, script))
+    _warm_up(_source_of(args.module, script), args.preload)
     port, parent = free_port(), os.getpid()
     # What the ranks inherit is never collected: the collector would otherwise visit (and
     # so copy, page by page) every inherited object in every rank.

@@ -157,13 +157,24 @@ def run_training(
     return Run(code, output, dump_folder)
 
 
-def rank_command(nproc: int, target: list[str], *, forked: bool = False) -> list[str]:
+def rank_command(
+    nproc: int, target: list[str], *, forked: bool = False, preload: Sequence[str] = ()
+) -> list[str]:
     """The command that runs `target` (`["-m", module, *args]` or `[script, *args]`) on
     `nproc` ranks of this machine: torchrun's standalone launch, or with `forked` one process
-    that imports once and forks the ranks (`torchtitan.tools.forked_ranks`, CPU only: no
-    per-rank interpreter start, for short runs)."""
+    that imports once (the target's top-level imports and `preload`) and forks the ranks
+    (`torchtitan.tools.forked_ranks`, CPU only: no per-rank interpreter start, for short
+    runs)."""
     if forked:
-        return [sys.executable, "-m", "torchtitan.tools.forked_ranks", f"--nproc={nproc}", *target]
+        loads = [f"--preload={name}" for name in preload]
+        return [
+            sys.executable,
+            "-m",
+            "torchtitan.tools.forked_ranks",
+            f"--nproc={nproc}",
+            *loads,
+            *target,
+        ]
     return [
         sys.executable,
         "-m",
