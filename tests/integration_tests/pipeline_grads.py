@@ -5,8 +5,10 @@ loss.  Prints `PASS <schedule>` per schedule; exits non-zero at the first mismat
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,11 +33,40 @@ def initialised(model: torch.nn.Module) -> None:
         model.init_weights()
 
 
+_reference: list[torch.nn.Module] = []
+
+
+def reference_model() -> torch.nn.Module:
+    """The whole model in one process, initialised as the stages are: made once per process
+    (the init is most of a check's time), a fresh copy per check."""
+    if not _reference:
+        with torch.device("meta"):
+            model = Transformer(ARGS)
+        model.to_empty(device="cpu")
+        initialised(model)
+        _reference.append(model)
+    return copy.deepcopy(_reference[0])
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, msg: Any
+) -> None:
+    """`torch.testing.assert_close` with a fast path for the common case: same shape, dtype
+    and device and `torch.allclose` (the same elementwise rule) passes; otherwise its check
+    and message."""
+    same_kind = (actual.shape, actual.dtype, actual.device) == (
+        expected.shape,
+        expected.dtype,
+        expected.device,
+    )
+    if not (same_kind and torch.allclose(actual, expected, rtol=rtol, atol=atol)):
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
+
+
 def check(schedule: str, rank: int) -> None:
     with torch.device("meta"):
-        reference, model = Transformer(ARGS), Transformer(ARGS)
-    reference.to_empty(device="cpu")
-    initialised(reference)
+        model = Transformer(ARGS)
+    reference = reference_model()
     plan = plan_stages(ARGS.n_layers, 2, schedule, None, BATCH, 1, "llama3 debugmodel")
     stages = split_stages(model, SPLIT, plan, rank, 2)
     for i, part in enumerate(stages.parts):
@@ -59,7 +90,7 @@ def check(schedule: str, rank: int) -> None:
         grads = {name: p.grad for name, p in reference.named_parameters()}
         for part in stages.parts:
             for name, p in part.named_parameters():
-                torch.testing.assert_close(
+                assert_close(
                     p.grad, grads[name], rtol=1e-4, atol=1e-7, msg=f"{schedule} step {step} {name}"
                 )
         ours.step()

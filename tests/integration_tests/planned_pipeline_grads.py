@@ -18,7 +18,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from pipeline_grads import ARGS, BATCH, SEQ, SPLIT, STEPS, cross_entropy, initialised
+from pipeline_grads import (
+    ARGS,
+    BATCH,
+    SEQ,
+    SPLIT,
+    STEPS,
+    assert_close,
+    cross_entropy,
+    initialised,
+    reference_model,
+)
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
@@ -55,9 +65,8 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
     job.activation_checkpoint.mode = "none"
 
     with torch.device("meta"):
-        reference, model = Transformer(ARGS), Transformer(ARGS)
-    reference.to_empty(device="cpu")
-    initialised(reference)
+        model = Transformer(ARGS)
+    reference = reference_model()
     plan = plan_stages(ARGS.n_layers, 2, schedule, None, BATCH // dp, 1, "llama3 debugmodel")
     io = stage_io(model, SPLIT, plan, torch.zeros(1, SEQ, dtype=torch.long), 2)
     stages = split_stages(model, SPLIT, plan, pp_mesh.get_local_rank(), 2)
@@ -91,7 +100,7 @@ def check(mesh_name: str, dump_folder: str, compiled: bool) -> None:
         for part in stages.parts:
             for name, p in part.named_parameters():
                 assert p.grad is not None, f"{mesh_name} step {step} {name}: no gradient"
-                torch.testing.assert_close(
+                assert_close(
                     full(p.grad),
                     grads[name],
                     rtol=1e-4,
