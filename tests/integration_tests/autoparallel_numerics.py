@@ -4,7 +4,8 @@
         [models] [meshes] [bf16]
 
 For each model and each mesh (dp4, tp4, dp2xtp2 — the same 4 ranks reshaped) it plans
-(`optimize_placement` solves on rank 0 and broadcasts the plan as JSON), applies it,
+(the model traced once, each mesh planned on `on_mesh` of that trace; `optimize_placement`
+solves on rank 0 and broadcasts the plan as JSON), applies it,
 initialises with `init_weights` and checks, against one process that builds the model on meta,
 materialises it and calls the same `init_weights`:
   * initial parameters and buffers equal the single-process init bitwise;
