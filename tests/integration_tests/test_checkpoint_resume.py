@@ -67,6 +67,7 @@ def test_stop_resume_and_kill_during_save(reference, tmp_path):
         2, CKPT + batch_args(2) + ["--training.stop_at_step", "5"], tmp_path
     ).check()
     assert first.losses() == steps(expected, 1, 5)
+    assert "stopping after step 5" in first.output
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-5"]
 
     # The restart resumes at step 6 and reproduces the uninterrupted run exactly; then
