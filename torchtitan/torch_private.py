@@ -146,3 +146,14 @@ def planning_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ..
         )
     ranks = torch.arange(int(torch.tensor(shape).prod())).view(shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+
+
+# DTensor's Replicate -> Shard step (a local chunk at this rank's coordinate), which the
+# lowering replaces with a chunk picked at run time (autoparallel/execute/local_shards.py)
+(DTensorShard,) = _require("torch.distributed.tensor.placement_types", "Shard")
+if not hasattr(DTensorShard, "_replicate_to_shard"):
+    raise ImportError(
+        f"torchtitan needs Shard._replicate_to_shard; torch {torch.__version__} does not "
+        f"provide it — torchtitan is tested with torch=={TESTED_WITH} (see "
+        "torchtitan/torch_private.py)"
+    )

@@ -1,5 +1,6 @@
 """Compiled graphs that name no rank (execute/shared_compile.py): the mesh's process groups
-in a lowered graph are renamed by role, each name resolving to this process's own group."""
+in a lowered graph are renamed by role, each name resolving to this process's own group.
+(Replicate -> Shard without the rank: test_local_shards.py.)"""
 
 from __future__ import annotations
 
@@ -59,10 +60,18 @@ def test_the_mesh_groups_are_named_by_role_and_resolve_to_this_process_groups(fa
             other.get_group("tp").group_name
         )
 
-        # a group that is not the mesh's keeps its name
+        # a group over the same ranks as a mesh dim's (an equal mesh made earlier, which
+        # DTensor may hand out) takes that dim's role name
+        earlier = _graph(dp.group_name, tp.group_name)
+        assert name_groups_by_role(earlier, other) == 2
+        assert _group_names(earlier) == ["rank-free:dp/2#1", "rank-free:tp/2#1"]
+
+        # a group that is not the mesh's, or over other ranks (the world), keeps its name
+        world = torch.distributed.distributed_c10d._get_default_group().group_name
         outside = _graph("no-such-group", tp.group_name)
         assert name_groups_by_role(outside, mesh) == 1
         assert _group_names(outside) == ["no-such-group", "rank-free:tp/2#0"]
+        assert name_groups_by_role(_graph(world, world), mesh) == 0
 
 
 def test_the_role_names_are_registered_again_in_a_new_world(fake_world):

@@ -46,6 +46,7 @@ from ..policies.recompute import (
 )
 from ..trace.repeat import LABEL_KEY
 from .interpret import PlanInterpreter
+from .local_shards import rank_free_shards
 
 PARAM, BUFFER, INPUT, TANGENT = "param", "buffer", "input", "tangent"
 
@@ -122,7 +123,7 @@ def lower_joint(
         ]
         return outs + grads
 
-    with torch.no_grad(), fx_traceback.preserve_node_meta():
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), rank_free_shards():
         gm = make_fx(joint, tracing_mode="fake")(*locals_)
     _check_constants(gm, {id(c._local_tensor) for c in consts.values()})
     kinds = [

@@ -10,10 +10,11 @@ shapes — yet their code differs in one thing: the collectives name their proce
 group's role instead (`rank-free:tp/2#0`: the first tensor-parallel group of 2 this process
 named), the same string on every rank, each registered in this process for its own group.
 `one_compile_at_a_time` then lets the first rank compile a graph while the ranks with the
-same graph wait, and find it in the cache.  A graph that still differs between ranks (a
-rank-dependent slice of a replicated tensor, uneven shards) keeps its own key and is
-compiled by its rank, as before; equal code means the same program on every rank, so a
-rank may run another rank's compiled graph whatever process group each name resolves to.
+same graph wait, and find it in the cache.  (The other thing that named a rank, the chunk a
+rank keeps when a replicated value is sharded, is picked at run time: local_shards.py.)  A
+graph that still differs between ranks (uneven shards) keeps its own key and is compiled by
+its rank; equal code means the same program on every rank, so a rank may run another rank's
+compiled graph whatever process group each name resolves to.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from torchtitan.torch_private import FileLock, register_process_group, resolve_process_group
@@ -50,13 +52,27 @@ def _role_name(group: Any, role: str) -> str:
 
 
 def name_groups_by_role(gm: fx.GraphModule, mesh: Any) -> int:
-    """Rename, in `gm`, every `group_name` argument naming a group of `mesh` to that group's
-    role name (mesh dim name and size); returns the number of arguments renamed."""
+    """Rename, in `gm`, every `group_name` argument naming a group of `mesh` — or another
+    group over the same ranks (DTensor may hand out an equal mesh made earlier, whose groups
+    are other objects over the same ranks) — to that group's role name (mesh dim name and
+    size); returns the number of arguments renamed."""
     names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
-    role_of = {}
+    role_of_ranks = {}
     for d, dim in enumerate(names):
         group = mesh.get_group(d)
-        role_of[group.group_name] = _role_name(group, f"{dim}/{group.size()}")
+        role_of_ranks[_ranks(group)] = _role_name(group, f"{dim}/{group.size()}")
+    role_of: dict[str, str | None] = {}
+
+    def role(name: Any) -> str | None:
+        if not isinstance(name, str) or name.startswith(_PREFIX):
+            return None
+        if name not in role_of:
+            try:
+                role_of[name] = role_of_ranks.get(_ranks(resolve_process_group(name)))
+            except (RuntimeError, ValueError):  # not a registered group
+                role_of[name] = None
+        return role_of[name]
+
     renamed = 0
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
@@ -65,15 +81,19 @@ def name_groups_by_role(gm: fx.GraphModule, mesh: Any) -> int:
         for i, arg in enumerate(schema.arguments):
             if arg.name != "group_name":
                 continue
-            if i < len(node.args) and node.args[i] in role_of:
-                node.update_arg(i, role_of[node.args[i]])
+            if i < len(node.args) and (new := role(node.args[i])) is not None:
+                node.update_arg(i, new)
                 renamed += 1
-            elif node.kwargs.get("group_name") in role_of:
-                node.update_kwarg("group_name", role_of[node.kwargs["group_name"]])
+            elif (new := role(node.kwargs.get("group_name"))) is not None:
+                node.update_kwarg("group_name", new)
                 renamed += 1
     if renamed:
         gm.recompile()
     return renamed
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
 
 
 @contextlib.contextmanager
