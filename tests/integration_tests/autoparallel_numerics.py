@@ -193,19 +193,19 @@ def mixed_recompute(blocks) -> dict[str, str]:
     return {f"{b.container}#{i}": cycle[i % 3] for b in blocks for i in range(len(b.keys))}
 
 
-_traced: dict[str, AutoParallel] = {}  # the model being checked -> its planner, entered
+_checked: tuple[str, AutoParallel] | None = None  # the model being checked, its planner entered
 
 
 def planner(model_name, make_model, specs, mesh, recompute) -> AutoParallel:
     """A planner for `model_name` on `mesh`, traced once for all the meshes it is checked
     on: each mesh plans on `on_mesh` of the first one's trace, as the mesh search does (the
     trace holds global shapes only)."""
-    if model_name not in _traced:
-        _traced.clear()  # only the model whose meshes are being checked is kept
+    global _checked
+    if _checked is None or _checked[0] != model_name:
         with torch.device("meta"):
             meta_model = make_model()
         bf16 = model_name.endswith("+bf16")
-        _traced[model_name] = AutoParallel(
+        autop = AutoParallel(
             meta_model,
             lambda: tuple(torch.zeros(s, dtype=d) for s, d in specs),
             mesh,
@@ -215,8 +215,9 @@ def planner(model_name, make_model, specs, mesh, recompute) -> AutoParallel:
             else None,
             # recomputing blocks also keep (root, last unit) or gather again (the rest)
             reshard_after_forward="default" if recompute else True,
-        ).__enter__()
-    return _traced[model_name].on_mesh(mesh)
+        )
+        _checked = (model_name, autop.__enter__())
+    return _checked[1].on_mesh(mesh)
 
 
 def run_one(model_name, mesh_name, world, bf16=False):

@@ -6,6 +6,7 @@ loss.  Prints `PASS <schedule>` per schedule; exits non-zero at the first mismat
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 from typing import Any
@@ -33,19 +34,19 @@ def initialised(model: torch.nn.Module) -> None:
         model.init_weights()
 
 
-_reference: list[torch.nn.Module] = []
+@functools.cache
+def _initialised_reference() -> torch.nn.Module:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    initialised(model)
+    return model
 
 
 def reference_model() -> torch.nn.Module:
     """The whole model in one process, initialised as the stages are: made once per process
     (the init is most of a check's time), a fresh copy per check."""
-    if not _reference:
-        with torch.device("meta"):
-            model = Transformer(ARGS)
-        model.to_empty(device="cpu")
-        initialised(model)
-        _reference.append(model)
-    return copy.deepcopy(_reference[0])
+    return copy.deepcopy(_initialised_reference())
 
 
 def assert_close(

@@ -104,14 +104,14 @@ def _lowered_collectives(output: str, op: str) -> int:
 
 
 def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path):
-    """Compile the auto-parallel dp2 module (FSDP-like: parameters split 2 ways; two ranks
-    compile side by side on the two cores) with the bucketing/reordering knobs: inductor's
-    output code holds fewer all-gathers than the lowered graphs it was given, and the run
-    still reproduces the 1-rank curve (global batch 4 as there).
+    """Compile the auto-parallel dp2 module (FSDP-like: parameters split 2 ways; the two
+    ranks' graphs are the same code, compiled by one rank, found in inductor's cache by the
+    other) with the bucketing/reordering knobs: inductor's output code holds fewer
+    all-gathers than the lowered graphs it was given, and the run still reproduces the
+    1-rank curve (global batch 4 as there).
 
-    With inductor's FX graph cache off it runs its passes even when a graph was compiled
-    before (the kernels still come from the suite's cache), and TORCH_LOGS=output_code prints
-    the generated code, where the collectives are counted.
+    TORCH_LOGS=output_code prints each rank's generated code (compiled, or read from the
+    cache, which keys it by the knobs too), where the collectives are counted.
     """
     fsdp = [*AP_SECTION, "--autoparallel.max_parameter_fraction", "fsdp"]  # gathers to bucket
     dp2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
@@ -120,7 +120,7 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
         2,
         [*args, *COMMS_KNOBS, "--training.steps", "4"],
         tmp_path,
-        env={"TORCH_LOGS": "output_code", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"},
+        env={"TORCH_LOGS": "output_code"},
     ).check()
     given = _lowered_collectives(tuned.output, "all_gather_into_tensor")
     compiled = _collective_calls(tuned.output, "all_gather_into_tensor")

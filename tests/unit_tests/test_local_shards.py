@@ -59,6 +59,18 @@ def test_every_rank_traces_one_graph_and_keeps_its_own_chunk(placements):
     assert codes[1:] == codes[:-1]  # one graph for the 4 ranks
 
 
+def test_a_chunk_is_laid_out_as_dtensors_clone_of_it():
+    """A transposed value (heads before sequence in memory, as attention's are) keeps its
+    layout in the chunk: a later view that merges dims relies on it."""
+    full = torch.arange(4 * 8 * 6 * 2, dtype=torch.float32).view(4, 6, 8, 2).transpose(1, 2)
+    for placements in [(Shard(0), Shard(1)), (Shard(1), Shard(2))]:
+        with _rank_of_four(3) as mesh, rank_free_shards():
+            kept = _to(full, mesh, placements)
+        with _rank_of_four(3) as mesh:
+            expected = _to(full, mesh, placements)
+        assert torch.equal(kept, expected) and kept.stride() == expected.stride(), placements
+
+
 def test_an_uneven_split_stays_dtensors_and_names_the_rank():
     full = FULL[:5]  # 5 rows over 2 ranks: 3 and 2
     codes, placements = [], (Shard(0), Replicate())
