@@ -4,6 +4,7 @@ picked at run time, so every rank traces the same graph and each still keeps its
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan.autoparallel.execute.local_shards import rank_free_shards
+from torchtitan.autoparallel.execute.local_shards import copy_order, rank_free_shards
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
 
@@ -61,14 +62,52 @@ def test_every_rank_traces_one_graph_and_keeps_its_own_chunk(placements):
 
 def test_a_chunk_is_laid_out_as_dtensors_clone_of_it():
     """A transposed value (heads before sequence in memory, as attention's are) keeps its
-    layout in the chunk: a later view that merges dims relies on it."""
-    full = torch.arange(4 * 8 * 6 * 2, dtype=torch.float32).view(4, 6, 8, 2).transpose(1, 2)
-    for placements in [(Shard(0), Shard(1)), (Shard(1), Shard(2))]:
+    layout in the chunk, a broadcast one (stride 0) is laid out as torch copies it: a later
+    view that merges dims relies on it."""
+    transposed = torch.arange(4 * 8 * 6 * 2, dtype=torch.float32).view(4, 6, 8, 2).transpose(1, 2)
+    broadcast = torch.arange(4 * 8, dtype=torch.float32).view(4, 8, 1, 1).expand(4, 8, 6, 2)
+    cases = [(transposed, (Shard(0), Shard(1))), (transposed, (Shard(1), Shard(2)))]
+    cases += [(broadcast, (Shard(0), Shard(2))), (broadcast.transpose(0, 2), (Shard(1), Shard(0)))]
+    for full, placements in cases:
         with _rank_of_four(3) as mesh, rank_free_shards():
             kept = _to(full, mesh, placements)
+            to_placements = functools.partial(_to, mesh=mesh, placements=placements)
+            graph = make_fx(to_placements, tracing_mode="fake")(full)
         with _rank_of_four(3) as mesh:
             expected = _to(full, mesh, placements)
         assert torch.equal(kept, expected) and kept.stride() == expected.stride(), placements
+        assert "group_rank" in graph.code and "split" not in graph.code, placements
+
+
+def _dense_strides(sizes: list[int], order: list[int]) -> list[int]:
+    strides, step = [0] * len(sizes), 1
+    for d in reversed(order):
+        strides[d], step = step, step * sizes[d]
+    return strides
+
+
+def test_copy_order_is_the_layout_torch_gives_a_copy():
+    """Against `clone` itself, over permuted, sliced, broadcast and size-1 layouts."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        sizes = torch.randint(1, 4, (4,), generator=g).tolist()
+        x = torch.empty(sizes).permute(torch.randperm(4, generator=g).tolist())
+        if torch.rand(1, generator=g) < 0.5:  # broadcast one dim
+            d = int(torch.randint(0, 4, (1,), generator=g))
+            x = x.narrow(d, 0, 1).expand(*[n if i != d else 3 for i, n in enumerate(x.shape)])
+        if torch.rand(1, generator=g) < 0.5:  # a chunk of another dim
+            d = int(torch.randint(0, 4, (1,), generator=g))
+            x = x.narrow(d, 0, max(1, x.size(d) // 2))
+        order = copy_order(list(x.shape), x.stride())
+        copied = x.clone()
+        got = _dense_strides(list(x.shape), order)
+        # a size-1 dim's stride is free (no index moves along it)
+        assert all(n == 1 or a == b for n, a, b in zip(x.shape, got, copied.stride())), (
+            tuple(x.shape),
+            x.stride(),
+            copied.stride(),
+            got,
+        )
 
 
 def test_an_uneven_split_stays_dtensors_and_names_the_rank():

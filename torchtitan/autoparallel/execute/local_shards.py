@@ -9,9 +9,8 @@ Inside `rank_free_shards()` (the lowering's trace) that step picks the chunk at 
 instead: `group_rank`, an op returning this process's rank in a named group as a one-element
 tensor, indexes the chunk dim of the value viewed as (chunks, chunk size).  The group name is
 the one `name_groups_by_role` renames, so the graph is the same on every rank.  The chunk is
-laid out in the value's memory order, as DTensor's clone of it is.  Only even splits of
-values dense in some order are taken this way; an uneven split has a rank-dependent shape
-anyway and stays DTensor's.
+laid out as DTensor's clone of it is (`copy_order`).  Only even splits are taken this way;
+an uneven one has a rank-dependent shape anyway and stays DTensor's.
 """
 
 from __future__ import annotations
@@ -36,25 +35,45 @@ def _(group_name: str, device: torch.device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.int64, device=device)
 
 
-def memory_order(x: torch.Tensor) -> list[int] | None:
-    """The dims of `x` from the largest stride to the smallest, when `x` is dense in that
-    order (permuted by it, contiguous); None otherwise."""
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
-    return order if x.permute(order).is_contiguous() else None
+def copy_order(sizes: list[int], strides: tuple[int, ...]) -> list[int]:
+    """The dims of a tensor of these sizes and strides from outermost to innermost, as torch
+    lays out a copy of it that preserves its layout (`clone`, `empty_like`): by stride, the
+    larger outer; of equal strides the larger size outer; a dim of stride 0 (broadcast) is
+    ordered against none and keeps its place."""
+
+    def outer(a: int, b: int) -> bool | None:  # is dim a outside dim b? None: no order
+        if strides[a] == 0 or strides[b] == 0:
+            return None
+        if strides[a] != strides[b]:
+            return strides[a] > strides[b]
+        return True if sizes[a] > sizes[b] else None
+
+    inner_first = list(range(len(sizes)))[::-1]
+    for i in range(1, len(inner_first)):  # a stable insertion sort, innermost first
+        j = i
+        for k in range(i - 1, -1, -1):
+            order = outer(inner_first[k], inner_first[j])
+            if order is None:
+                continue
+            if not order:
+                break
+            inner_first[k], inner_first[j] = inner_first[j], inner_first[k]
+            j = k
+    return inner_first[::-1]
 
 
 def this_chunk(x: torch.Tensor, dim: int, chunks: int, group_name: str) -> torch.Tensor:
     """Chunk `rank in group` of `x` split evenly into `chunks` along `dim`: a new tensor laid
-    out as `x` is (the layout DTensor's clone of the chunk has; later views rely on it)."""
-    size, order = x.size(dim), memory_order(x)
-    if size % chunks or order is None:
-        raise ValueError(
-            f"a tensor of shape {tuple(x.shape)} and strides {x.stride()} does not split "
-            f"evenly and densely into {chunks} along dim {dim}"
-        )
-    at = order.index(dim)  # the split dim among the dims in memory order
-    dense = x.permute(order).unflatten(at, (chunks, size // chunks))
-    picked = dense.index_select(at, group_rank(group_name, x.device)).squeeze(at)
+    out as DTensor's clone of the chunk is (later views rely on it)."""
+    size = x.size(dim)
+    if size % chunks:
+        raise ValueError(f"dim {dim} of size {size} does not split evenly into {chunks}")
+    sizes = list(x.shape)
+    sizes[dim] = size // chunks
+    order = copy_order(sizes, x.stride())
+    at = order.index(dim)  # the split dim among the dims, outermost first
+    laid_out = x.permute(order).unflatten(at, (chunks, size // chunks))
+    picked = laid_out.index_select(at, group_rank(group_name, x.device)).squeeze(at)
     return picked.permute([order.index(d) for d in range(x.dim())])
 
 
@@ -69,7 +88,6 @@ def rank_free_shards() -> Iterator[None]:
         if (
             type(self) is not DTensorShard
             or local_tensor.size(self.dim) % chunks
-            or memory_order(local_tensor) is None
             or shard_index != mesh.get_local_rank(mesh_dim)
         ):
             return original(self, local_tensor, mesh, mesh_dim, shard_index)
