@@ -28,7 +28,7 @@ def test_defaults():
     cfg = parse()
     assert cfg == JobConfig()
     assert cfg.training.seq_len == 2048 and cfg.training.global_batch_size == -1
-    assert cfg.optimizer.lr == 8e-4 and cfg.optimizer.implementation == "foreach"
+    assert cfg.optimizer.lr == 8e-4 and cfg.optimizer.implementation == "fused"
     assert cfg.compile.components == ["model", "loss"]
     assert cfg.to_dict()["parallelism"]["data_parallel_shard_degree"] == -1
 
