@@ -69,9 +69,9 @@ class Optimizer:
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Kernel strategy: for-loop (one param at a time), foreach (multi-tensor ops) or fused
-    (one kernel over all parameters, torchtitan's default: the fastest on CPU and GPU, and
-    on DTensor parameters one sharding propagation per step instead of one per foreach op;
-    not available for every device/dtype)."""
+    (one kernel over all parameters, torchtitan's default: the fastest on CPU and GPU; on
+    DTensor parameters its first step propagates half the shardings foreach's does; not
+    available for every device/dtype)."""
 
 
 @dataclass
