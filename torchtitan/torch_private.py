@@ -62,8 +62,10 @@ OpSchema, OpSpec, OpStrategy, TupleStrategy = _require(
 (register_single_dim_pointwise,) = _require(
     "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
 )
-(compute_local_shape_and_global_offset,) = _require(
-    "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"
+compute_local_shape_and_global_offset, compute_global_tensor_info = _require(
+    "torch.distributed.tensor._utils",
+    "compute_local_shape_and_global_offset",
+    "compute_global_tensor_info",
 )
 
 # AOTAutograd's joint export and fake tensors

@@ -19,6 +19,7 @@ their planned placements.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +27,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.torch_private import (
     FakeTensorMode,
     GmWrapper,
     TracingContext,
+    compute_global_tensor_info,
     pytree,
     tracing,
     use_lazy_graph_module,
@@ -113,9 +116,17 @@ class LoweredPlan:
 
 
 class _PlanFunction(torch.autograd.Function):
+    """The lowered graphs as one autograd node.  Its inputs are the plan's values as the
+    module holds them (DTensor parameters, the inputs wrapped by the interpreter): the
+    forward reads their local tensors and the backward hands each DTensor input its gradient
+    as a DTensor of the same layout, so no parameter passes through a `to_local` autograd
+    node of its own each step."""
+
     @staticmethod
-    def forward(ctx, lp: LoweredPlan, scale: float, *locals_):
-        res = lp.fwd(list(locals_))
+    def forward(ctx, lp: LoweredPlan, scale: float, *values):
+        locals_ = [_local(v) for v in values]
+        ctx.specs = [v._spec if isinstance(v, DTensor) else None for v in values]
+        res = lp.fwd(locals_)
         ctx.lp, ctx.scale, ctx.saved = lp, scale, res[lp.n_out :]
         # an output that is also saved would make autograd see a tensor it returns as an
         # input of its own backward; hand out a view of it instead (and the others as they
@@ -142,13 +153,30 @@ class _PlanFunction(torch.autograd.Function):
         out = lp.bwd(args)  # the graph empties `args`, freeing each input after its last use
         res: list = [None] * lp.n_in
         for slot, g in zip(lp.grad_slots, out):
-            res[slot] = g
+            spec = ctx.specs[slot]
+            res[slot] = g if spec is None else _as_dtensor(g, spec)
         ctx.grads = ctx.weight_grads = None
         if lp.partition.input_grads:  # a pipeline stage: a weight step may follow (below)
             ctx.grads, ctx.weight_grads = grads, list(res)
             for slot in lp.grad_slots[len(lp.partition.grad_names) :]:
                 ctx.weight_grads[slot] = None
         return (None, None, *res)
+
+
+def _local(v: Any) -> Any:
+    return v._local_tensor if isinstance(v, DTensor) else v
+
+
+def _as_dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
+    """`grad`, a local gradient, as the gradient of a DTensor with `spec`: what DTensor's own
+    `to_local` backward hands back (a partial placement's gradient is replicated)."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    _, stride = compute_global_tensor_info(grad, spec.mesh, placements)
+    if placements == spec.placements and tuple(stride) == spec.tensor_meta.stride:
+        return DTensor(grad, copy.copy(spec), requires_grad=False)
+    return DTensor.from_local(
+        grad, spec.mesh, placements, run_check=False, shape=spec.shape, stride=tuple(stride)
+    )
 
 
 def _weight_step(ctx, grads: tuple) -> list:
@@ -309,7 +337,7 @@ class LoweredExecutor:
     def _run_lowered(self, env: dict, device) -> list[torch.Tensor]:
         keys = list(env)
         values = [env[k] for k in keys]
-        locals_ = [v.to_local() for v in values]
+        locals_ = [_local(v) for v in values]
         compiled = self.compile_options is not None
         sig = (compiled, tuple((tuple(x.shape), x.dtype, x.device) for x in locals_))
         lp = self.lowered.get(sig)
@@ -318,11 +346,10 @@ class LoweredExecutor:
             detached = [x.detach() for x in locals_]
             lp = self.lowered[sig] = LoweredPlan(self, keys, placements, detached, device)
         if not torch.is_grad_enabled():
-            return list(lp.fwd(list(locals_))[: lp.n_out])
-        # to_local keeps autograd: gradients of the local shards flow back into the params;
+            return list(lp.fwd(locals_)[: lp.n_out])
         # the outputs' gradients are scaled by 1 / batch ranks (mean loss: DDP's, FSDP's)
         scale = 1.0 / self.interp.batch_ranks()
-        return list(_PlanFunction.apply(lp, scale, *locals_))
+        return list(_PlanFunction.apply(lp, scale, *values))
 
     def _finish(self, outs: list[torch.Tensor]) -> Any:
         """Local outputs in the user's output structure."""
