@@ -95,10 +95,13 @@ class Milp:
         return range(first, first + len(costs))
 
     def row(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
-        merged: dict[int, float] = defaultdict(float)
+        """lo <= sum of coefficient * column <= hi; a column named twice gets the sum."""
+        if len({c for c, _ in terms}) < len(terms):
+            merged: dict[int, float] = defaultdict(float)
+            for c, v in terms:
+                merged[c] += v
+            terms = list(merged.items())
         for c, v in terms:
-            merged[c] += v
-        for c, v in merged.items():
             if v != 0.0:
                 self.index.append(c)
                 self.value.append(v)

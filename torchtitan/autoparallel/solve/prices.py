@@ -35,6 +35,7 @@ class GraphPrices:
         self._param_side: set | None = None
         self._grad_side: set = set()
         self._pair_memo: dict = {}
+        self._allowed_memo: dict = {}
 
     def param_side_nodes(self) -> set:
         """Nodes on a parameter's single-input chain (param, cast, transpose, view) and on a
@@ -93,13 +94,25 @@ class GraphPrices:
         key = (emitted, required, shape, elem_size, frozen, sink, bucketed)
         hit = self._pair_memo.get(key)
         if hit is None:
+            comm = self.est.comm_us
             hit = self._pair_memo[key] = [
-                (i, j, c, o != r)
+                (i, j, c, moves)
+                for i, j, o, r, moves in self._allowed(emitted, required, frozen, sink)
+                if (c := comm(o, r, shape, elem_size, bucketed)) != INF
+            ]
+        return hit
+
+    def _allowed(self, emitted: tuple, required: tuple, frozen: bool, sink: bool) -> list:
+        """(i, j, emitted[i], required[j], whether it moves) of the pairs an edge may use,
+        whatever the value's shape: edges of different shapes ask about the same sets."""
+        key = (emitted, required, frozen, sink)
+        hit = self._allowed_memo.get(key)
+        if hit is None:
+            hit = self._allowed_memo[key] = [
+                (i, j, o, r, o != r)
                 for i, o in enumerate(emitted)
                 for j, r in enumerate(required)
-                if (o == r or not frozen)
-                and (sink or direct(o, r))
-                and (c := self.est.comm_us(o, r, shape, elem_size, bucketed)) != INF
+                if (o == r or not frozen) and (sink or direct(o, r))
             ]
         return hit
 

@@ -140,14 +140,18 @@ class RecomputeChoices:
             for y, c in coef.items():
                 m.cost[y] += c
 
-    def _recomputed_edges(self, recomputed: Iterable[fx.Node]) -> Iterator[tuple[str, int]]:
-        """(block, y) of every redistributing pair into a recomputed node (each node once)."""
+    def _recomputed_edges(
+        self, recomputed: Iterable[fx.Node], values: Sequence[float] | None = None
+    ) -> Iterator[tuple[str, int]]:
+        """(block, y) of every redistributing pair into a recomputed node (each node once);
+        with a solved plan's `values`, only the pairs it uses (asked first: comparing two
+        placements costs more than reading a value)."""
         edge_pairs = self.p.edge_pair_vars
         for node in recomputed:
             b = block_of(node)
             for k in range(len(self.p.table.nodes[node].sources)):
                 for y, o, r in edge_pairs.get(ConsumerEdge(node, k), ()):
-                    if o != r:
+                    if (values is None or values[y] > 0.5) and o != r:
                         yield b, y
 
     # ------------------------------------------------------------------ memory
@@ -189,7 +193,6 @@ class RecomputeChoices:
             for n in nodes:
                 k = counts.get(block_of(n), {}).get(p, 0)
                 total += prog.prices.compute_cost(prog.rep[n], choice[n]) * k
-            for b, y in self._recomputed_edges(nodes):
-                if values[y] > 0.5:
-                    total += prog.scaled_comm(y) * counts.get(b, {}).get(p, 0)
+            for b, y in self._recomputed_edges(nodes, values):
+                total += prog.scaled_comm(y) * counts.get(b, {}).get(p, 0)
         return total
