@@ -137,6 +137,26 @@ def test_compiled_with_comms_knobs_has_fewer_collectives_and_same_loss(tmp_path)
     )
 
 
+def test_a_compiled_2d_plan_runs_again_from_the_compile_cache(tmp_path):
+    """The planned dp2×tp2 job compiled (model and loss), launched twice on one compile
+    cache, collecting garbage every step: the second launch reads what the first compiled.
+    The planner's graphs name their groups by role and are shared by the ranks; the loss,
+    given the tensor-parallel logits, names this rank's groups (c10d's names, '3' on ranks
+    0-1 and '4' on ranks 2-3), so each rank keeps its own (a rank that read another's
+    failed: "Could not resolve the process group registered under the name 4").  Both
+    launches reproduce the 1-rank curve (4 steps: see the test above)."""
+    args = [*AUTO, *MESHES["dp2_tp2"], "--compile.enable", "--training.steps", "4"]
+    args += ["--training.gc_freq", "1"]
+    for launch in ("first", "second"):
+        losses = run_training(4, args, tmp_path / launch).check().losses()
+        assert_losses_close(
+            {s: losses[s] for s in (1, 2, 3)},
+            {s: GOLDEN[s] for s in (1, 2, 3)},
+            rtol=1e-4,
+            what=f"compiled auto dp2 x tp2, {launch} launch, vs 1 rank",
+        )
+
+
 def test_auto_dp4_issues_no_more_collectives_than_ddp(tmp_path):
     """One step after two warm-up steps, counted with torch.profiler's gloo events.  With
     memory to spare (the default budget: a rank's share of the RAM) the plan replicates the

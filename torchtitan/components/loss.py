@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import compile_per_rank
 
 
 def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -19,5 +20,6 @@ def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 def build_cross_entropy_loss(job_config: JobConfig):
     compile_config = job_config.compile
     if compile_config.enable and "loss" in compile_config.components:
-        return torch.compile(cross_entropy_loss)
+        # compiled per rank: a sharded model's logits are DTensors whose graphs name groups
+        return compile_per_rank(cross_entropy_loss)
     return cross_entropy_loss

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def device_type() -> str:
@@ -43,10 +48,34 @@ def keep_compiled_graphs_per_rank() -> None:
     """
     import torch.compiler.config as compiler_config
 
-    tag = f"rank{dist.get_rank()}"
-    given = compiler_config.cache_key_tag
-    if tag not in given.split("-"):
-        compiler_config.cache_key_tag = f"{given}-{tag}" if given else tag
+    compiler_config.cache_key_tag = _tagged_with_rank(compiler_config.cache_key_tag)
+
+
+def compile_per_rank(fn: Callable[P, R]) -> Callable[P, R]:
+    """`torch.compile(fn)`, its graphs kept apart per rank in the compile caches whatever
+    the process's own setting (see `keep_compiled_graphs_per_rank`): for a function that
+    may be given DTensors (the loss, given a sharded model's output), whose graphs then
+    name this rank's process groups, in a process whose other compiled graphs are shared
+    between ranks.  The tag is set while `fn` runs, so it holds for its recompiles too."""
+    import torch.compiler.config as compiler_config
+
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        tag = _tagged_with_rank(compiler_config.cache_key_tag)
+        with compiler_config.patch(cache_key_tag=tag):  # type: ignore[attr-defined]
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _tagged_with_rank(tag: str) -> str:
+    """`tag` with `rank<rank>` added (once; rank 0 without a process group)."""
+    mine = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+    if mine in tag.split("-"):
+        return tag
+    return f"{tag}-{mine}" if tag else mine
 
 
 def init_distributed(init_timeout_seconds: int) -> int:
