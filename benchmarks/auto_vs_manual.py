@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib import Config, markdown_table, measure, write_table  # noqa: E402
+from bench_lib import Config, markdown_table, measure, pipe_table, write_table  # noqa: E402
 
 DEBUG = ["--training.seq_len", "256"]
 MESHES = {
@@ -77,21 +77,19 @@ def main() -> None:
         extra_args=["--metrics.count_collectives_step", "3"],
         inductor_cache=cache,
     )
-    lines = [
-        markdown_table(results),
-        "",
-        "| row | auto/manual tps | auto/manual peak memory | collectives auto / manual |",
-        "|---|---|---|---|",
-    ]
+    ratios = []
     for i in range(0, len(results), 2):
         manual, auto = results[i], results[i + 1]
-        row = manual.config.name.removesuffix(" manual")
-        lines.append(
-            f"| {row} | {auto.median_tps / manual.median_tps:.2f}x | "
-            f"{auto.max_peak_gib / manual.max_peak_gib:.2f}x | "
-            f"{auto.collectives:.0f} / {manual.collectives:.0f} |"
+        ratios.append(
+            [
+                manual.config.name.removesuffix(" manual"),
+                f"{auto.median_tps / manual.median_tps:.2f}x",
+                f"{auto.max_peak_gib / manual.max_peak_gib:.2f}x",
+                f"{auto.collectives:.0f} / {manual.collectives:.0f}",
+            ]
         )
-    table = "\n".join(lines)
+    header = ["row", "auto/manual tps", "auto/manual peak memory", "collectives auto / manual"]
+    table = markdown_table(results) + "\n\n" + pipe_table(header, ratios)
     print(table)
     write_table(Path(__file__).with_suffix(".md"), table)
 

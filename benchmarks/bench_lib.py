@@ -118,20 +118,30 @@ def measure(
     return results
 
 
-def markdown_table(results: list[Result], columns: list[str] | None = None) -> str:
-    lines = [
-        "| config | tps (median) | peak memory GiB (steady) | peak GiB (lifetime) "
-        "| collectives per step | loss at last step | wall s (median) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        coll = "-" if r.collectives != r.collectives else f"{r.collectives:.0f}"
-        lines.append(
-            f"| {r.config.name} | {r.median_tps:,.0f} | {r.max_peak_gib:.2f} | "
-            f"{max(r.lifetime_gib):.2f} | {coll} | {r.final_loss:.4f} | "
-            f"{statistics.median(r.wall_s):.0f} |"
-        )
+def pipe_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of `header` and `rows` (cells already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def markdown_table(results: list[Result]) -> str:
+    """The measured figures of `results`, one row per configuration."""
+    header = ["config", "tps (median)", "peak memory GiB (steady)", "peak GiB (lifetime)"]
+    header += ["collectives per step", "loss at last step", "wall s (median)"]
+    rows = [
+        [
+            r.config.name,
+            f"{r.median_tps:,.0f}",
+            f"{r.max_peak_gib:.2f}",
+            f"{max(r.lifetime_gib):.2f}",
+            "-" if r.collectives != r.collectives else f"{r.collectives:.0f}",
+            f"{r.final_loss:.4f}",
+            f"{statistics.median(r.wall_s):.0f}",
+        ]
+        for r in results
+    ]
+    return pipe_table(header, rows)
 
 
 def write_table(markdown_file: Path, table: str) -> None:

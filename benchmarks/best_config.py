@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib import Config, markdown_table, measure, write_table  # noqa: E402
+from bench_lib import Config, markdown_table, measure, pipe_table, write_table  # noqa: E402
 
 DEBUG = ["--training.seq_len", "256"]
 PARALLELISM = "--parallelism."
@@ -85,16 +85,16 @@ def main() -> None:
     best = max(
         (r for r in results if r.config.name.startswith("hand-written")), key=lambda r: r.median_tps
     )
-    lines = [markdown_table(results), "", "| comparison | tps ratio |", "|---|---|"]
+    ratios = []
     for name in PLANNED:
         ratio = by_name[name].median_tps / best.median_tps
-        lines.append(f"| {name} / best hand-written ({best.config.name}) | {ratio:.2f}x |")
+        ratios.append([f"{name} / best hand-written ({best.config.name})", f"{ratio:.2f}x"])
     for mode in modes:
         planned = by_name[f"one rank {mode} planned"]
         hand = by_name[f"one rank {mode} hand-written"]
         ratio = planned.median_tps / hand.median_tps
-        lines.append(f"| one rank {mode}: planned / hand-written | {ratio:.2f}x |")
-    table = "\n".join(lines)
+        ratios.append([f"one rank {mode}: planned / hand-written", f"{ratio:.2f}x"])
+    table = markdown_table(results) + "\n\n" + pipe_table(["comparison", "tps ratio"], ratios)
     write_table(Path(__file__).with_suffix(".md"), table)
     print(table)
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib import write_table  # noqa: E402
+from bench_lib import pipe_table, write_table  # noqa: E402
 
 from torchtitan.tools.loss_compare import deterministic_args, run_training  # noqa: E402
 
@@ -60,12 +60,12 @@ def main() -> None:
                     wall = launch(model, Path(tmp) / f"{model}-{r}-{state}", cache)
                     walls.setdefault((name, state), []).append(wall)
                     print(f"round {r + 1}/{opts.rounds} {name} {state}: {wall:.1f}s", flush=True)
-    rows = ["| spec | cold s | warm s | warm / cold |", "|---|---|---|---|"]
+    rows = []
     for name in SPECS:
         cold = statistics.median(walls[(name, "cold")])
         warm = statistics.median(walls[(name, "warm")])
-        rows.append(f"| {name} | {cold:.1f} | {warm:.1f} | {warm / cold:.2f} |")
-    table = "\n".join(rows)
+        rows.append([name, f"{cold:.1f}", f"{warm:.1f}", f"{warm / cold:.2f}"])
+    table = pipe_table(["spec", "cold s", "warm s", "warm / cold"], rows)
     write_table(Path(__file__).with_suffix(".md"), table)
     print(table)
 

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_lib import write_table  # noqa: E402
+from bench_lib import pipe_table, write_table  # noqa: E402
 
 LAYOUTS = {
     "one rank / DDP (plain tensors)": None,
@@ -144,32 +144,34 @@ def measure(layout: str, impl: str, steps: int, layers: int) -> dict:
 
 
 def table(results: dict[str, dict]) -> str:
-    rows = [
-        "| parameters | implementation | first step ms (median) | sharding propagations, "
-        "first step | later step ms (median) | sharding propagations per later step |",
-        "|---|---|---|---|---|---|",
-    ]
-    ratios = [
-        "| parameters | fused / foreach, first step | fused / foreach, later step |",
-        "|---|---|---|",
-    ]
+    """The figures per layout and implementation, then the fused / foreach ratios; a count
+    that differs between rounds is given per round, in round order."""
+    header = ["parameters", "implementation", "first step ms (median)"]
+    header += ["sharding propagations, first step", "later step ms (median)"]
+    header += ["sharding propagations per later step"]
+    rows, ratios = [], []
     for layout, per_impl in results.items():
         med = {}
         for impl, runs in per_impl.items():
             first = statistics.median(r["first_ms"] for r in runs)
             later = statistics.median(r["later_ms"] for r in runs)
             med[impl] = (first, later)
-            props = sorted({r["first_propagations"] for r in runs})
-            per_step = sorted({r["later_propagations"] for r in runs})
+            props = dict.fromkeys(r["first_propagations"] for r in runs)
+            per_step = dict.fromkeys(r["later_propagations"] for r in runs)
             rows.append(
-                f"| {layout} | {impl} | {first:,.1f} | {'/'.join(map(str, props))} | "
-                f"{later:,.1f} | {'/'.join(f'{x:g}' for x in per_step)} |"
+                [
+                    layout,
+                    impl,
+                    f"{first:,.1f}",
+                    "/".join(map(str, props)),
+                    f"{later:,.1f}",
+                    "/".join(f"{x:g}" for x in per_step),
+                ]
             )
-        ratios.append(
-            f"| {layout} | {med['fused'][0] / med['foreach'][0]:.2f}x | "
-            f"{med['fused'][1] / med['foreach'][1]:.2f}x |"
-        )
-    return "\n".join(rows) + "\n\n" + "\n".join(ratios)
+        fused, foreach = med["fused"], med["foreach"]
+        ratios.append([layout, f"{fused[0] / foreach[0]:.2f}x", f"{fused[1] / foreach[1]:.2f}x"])
+    ratio_header = ["parameters", "fused / foreach, first step", "fused / foreach, later step"]
+    return pipe_table(header, rows) + "\n\n" + pipe_table(ratio_header, ratios)
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_lib import write_table  # noqa: E402
+from bench_lib import pipe_table, write_table  # noqa: E402
 
 SPECS = {"hand-written": "llama3", "planned": "llama3_auto_parallel"}
 WARMUP = 3
@@ -127,8 +127,9 @@ def main() -> None:
     for name, runs in results.items():
         per_step = []
         for key in COUNTED.values():
-            counts = {run["events"].get(key, (0, 0))[0] / args.steps for run in runs}
-            per_step.append(" / ".join(f"{c:g}" for c in sorted(counts)))
+            # one figure when the rounds agree, else one per round in round order
+            counts = dict.fromkeys(run["events"].get(key, (0, 0))[0] / args.steps for run in runs)
+            per_step.append(" / ".join(f"{c:g}" for c in counts))
         cpu = [sum(t for _, t in run["events"].values()) / 1e3 / args.steps for run in runs]
         steps_ms = [1e3 * statistics.median(run["times"]) for run in runs]
         rows.append(
@@ -139,10 +140,9 @@ def main() -> None:
                 " / ".join(f"{t:.0f}" for t in steps_ms),
             ]
         )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    print("\n".join(lines))
-    write_table(Path(__file__).with_suffix(".md"), "\n".join(lines))
+    table = pipe_table(header, rows)
+    print(table)
+    write_table(Path(__file__).with_suffix(".md"), table)
 
 
 if __name__ == "__main__":

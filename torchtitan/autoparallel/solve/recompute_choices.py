@@ -144,8 +144,9 @@ class RecomputeChoices:
         self, recomputed: Iterable[fx.Node], values: Sequence[float] | None = None
     ) -> Iterator[tuple[str, int]]:
         """(block, y) of every redistributing pair into a recomputed node (each node once);
-        with a solved plan's `values`, only the pairs it uses (asked first: comparing two
-        placements costs more than reading a value)."""
+        with a solved plan's `values`, only the pairs it uses: a few dozen, where the
+        recomputed nodes have tens of thousands (a caller that sums the solved plan's cost
+        per policy then resumes this generator that many times, not once per pair)."""
         edge_pairs = self.p.edge_pair_vars
         for node in recomputed:
             b = block_of(node)
