@@ -12,7 +12,7 @@ bash scripts/bootstrap.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 # the slowest tests are listed at the end, so the suite's time can be watched from any CI log
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30)
 if (($#)); then
   exec "${pytest[@]}" "$@"
 fi
