@@ -81,7 +81,7 @@ DataDependentOutputException, FakeTensorMode = _require(
 )
 (compile_session_context,) = _require("torch.compiler", "_compile_session_context")
 # a module whose inputs inductor's compile_fx takes as one list it empties (boxed call)
-(GmWrapper,) = _require("torch._dynamo.utils", "GmWrapper")
+GmWrapper, counters = _require("torch._dynamo.utils", "GmWrapper", "counters")
 # graph modules that generate their Python code when first called, not when built (the
 # lowering's intermediate graphs are never called)
 make_graph_module, use_lazy_graph_module = _require(

@@ -94,7 +94,7 @@ def test_another_error_comes_back_named(capfd):
 
 
 def test_a_child_that_dies_is_an_error_naming_the_signal():
-    with pytest.raises(RuntimeError, match=r"ended without a plan \(killed by signal 9\)"):
+    with pytest.raises(RuntimeError, match=r"ended without an answer \(killed by signal 9\)"):
         run_in_child(lambda: str(os.kill(os.getpid(), signal.SIGKILL)))
 
 

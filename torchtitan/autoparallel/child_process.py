@@ -1,4 +1,5 @@
-"""Run a planning step in a forked child process and take back only its answer (text).
+"""Run a planning step (or another step that leaves a heap behind: compiling a graph into
+inductor's cache) in a forked child process and take back only its answer (text).
 
 Planning allocates hundreds of thousands of small Python objects (strategy tables, the
 placement program's rows and columns, memos) and frees almost all of them when the plan is
@@ -33,9 +34,12 @@ def can_fork() -> bool:
     return sys.platform == "linux" and not torch.cuda.is_initialized()
 
 
-def run_in_child(fn: Callable[[], str], meanwhile: Callable[[], None] | None = None) -> str:
+def run_in_child(
+    fn: Callable[[], str], meanwhile: Callable[[], None] | None = None, task: str = "planning"
+) -> str:
     """`fn()` computed in a forked child process (in this one where `can_fork` is False);
-    this process runs `meanwhile()` while it waits (after `fn` where there is no child)."""
+    this process runs `meanwhile()` while it waits (after `fn` where there is no child).
+    `task` names the step in the errors that come back from the child."""
     if not can_fork():
         text = fn()
         if meanwhile is not None:
@@ -63,8 +67,8 @@ def run_in_child(fn: Callable[[], str], meanwhile: Callable[[], None] | None = N
             data = pipe.read()
         _, status = os.waitpid(pid, 0)
     if not data:
-        raise RuntimeError(f"the planning process ended without a plan ({_how(status)})")
-    return _result(json.loads(data))
+        raise RuntimeError(f"the {task} process ended without an answer ({_how(status)})")
+    return _result(json.loads(data), task)
 
 
 def _answer(fn: Callable[[], str], fd: int) -> None:
@@ -86,20 +90,22 @@ def _answer(fn: Callable[[], str], fd: int) -> None:
         os._exit(code)
 
 
-def _result(reply: list) -> str:
+def _result(reply: list, task: str) -> str:
     if reply[0] == "ok":
         return reply[1]
     _tag, name, message, planner = reply
-    raise_as_sent(name, message, planner, "in the planning process")
+    raise_as_sent(name, message, planner, f"in the {task} process", task)
 
 
-def raise_as_sent(name: str, message: str, planner: bool, where: str) -> NoReturn:
+def raise_as_sent(
+    name: str, message: str, planner: bool, where: str, task: str = "planning"
+) -> NoReturn:
     """Raise an error another process (`where`) caught and sent: a planner error as the same
     class (PlannerError if unknown) with the same message, anything else as a RuntimeError
     naming it."""
     if planner:
         raise getattr(errors, name, errors.PlannerError)(message)
-    raise RuntimeError(f"planning failed {where} with {name}: {message}")
+    raise RuntimeError(f"{task} failed {where} with {name}: {message}")
 
 
 def _how(status: int) -> str:

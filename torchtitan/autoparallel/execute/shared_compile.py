@@ -99,17 +99,20 @@ def _ranks(group: Any) -> tuple[int, ...]:
 @contextlib.contextmanager
 def one_compile_at_a_time(
     gm: fx.GraphModule, examples: Sequence[Any], options: dict | None
-) -> Iterator[None]:
+) -> Iterator[bool]:
     """Hold a lock, shared by this machine's processes, on compiling `gm`'s code for these
     inputs: the first process compiles it into inductor's cache and the others, waiting,
-    read it from there.  No lock when inductor's FX graph cache is off (each compiles)."""
+    read it from there.  Yields whether the graph is still to be compiled into the cache
+    (no process has done so: no mark beside the lock; the mark is made when the block ends
+    without an error).  No lock when inductor's FX graph cache is off: each process
+    compiles, and False is yielded (there is no cache to fill)."""
     from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     if not (options or {}).get("fx_graph_cache", config.fx_graph_cache) or (
         config.force_disable_caches
     ):
-        yield
+        yield False
         return
     key = hashlib.sha256(gm.code.encode())
     for x in examples:
@@ -119,5 +122,9 @@ def one_compile_at_a_time(
     key.update(repr(torch.compiler.config.cache_key_tag).encode())
     locks = os.path.join(cache_dir(), "locks")
     os.makedirs(locks, exist_ok=True)
-    with FileLock(os.path.join(locks, f"graph-{key.hexdigest()[:32]}.lock")):
-        yield
+    name = os.path.join(locks, f"graph-{key.hexdigest()[:32]}")
+    with FileLock(f"{name}.lock"):
+        first = not os.path.exists(f"{name}.compiled")
+        yield first
+        if first:
+            open(f"{name}.compiled", "w").close()
