@@ -160,7 +160,7 @@ class StrategyBuilder:
             roles[n] = "input"
         for t in tg.tangents:
             if t is not None:
-                roles[n] = "tangent"
+                roles[t] = "tangent"
         for node in tg.gm.graph.nodes:
             if node.op == "placeholder":
                 val = node.meta.get("val")
