@@ -307,6 +307,11 @@ class Milp:
         hs = _highspy()
         h.changeColsIntegrality(len(ints), ints, np.full(len(ints), hs.HighsVarType.kInteger))
         h.setOptionValue("mip_rel_gap", rel_gap)
+        # HiGHS's light presolve (mode 2; mode 1 crashed HiGHS 1.16 here): the full one
+        # spent most of a proof presolving (Llama 3 8B fp32 on (8,8): 0.9 of 1.1 s), and
+        # two memory-bound programs that ran out of time with it are proved with this one;
+        # one program of the eight compared proves slower (benchmarks/planner.md)
+        h.setOptionValue("presolve_mode", 2)
         h.setOptionValue("time_limit", max(1.0, t_end - time.perf_counter()))
         if start is not None:
             sol = hs.HighsSolution()
