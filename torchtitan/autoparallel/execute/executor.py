@@ -243,7 +243,6 @@ class InductorOnFirstCall:
         return self.compiled(args)
 
     def _compile(self, args: list) -> Callable[[list], Any]:
-        from torch._inductor.compile_fx import compile_fx
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -262,12 +261,16 @@ class InductorOnFirstCall:
                 made = run_in_child(lambda: self._generate(examples), task="compile")
                 InductorOnFirstCall.generated += int(made)
             misses = _cache_misses()
-            compiled = compile_fx(
-                GmWrapper(self.gm, list), examples, config_patches=self.options or None
-            )
+            compiled = self._inductor(examples)
             InductorOnFirstCall.generated += _cache_misses() - misses
         assert callable(compiled), compiled
         return compiled
+
+    def _inductor(self, examples: list) -> Any:
+        """Inductor's compiled graph for these example inputs (from its cache when there)."""
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(GmWrapper(self.gm, list), examples, config_patches=self.options or None)
 
     def _generate(self, examples: list) -> str:
         """Compile the graph into inductor's cache, in a forked child process (`_compile`
@@ -277,11 +280,10 @@ class InductorOnFirstCall:
         than the ranks that read it).  The kernels are built in the child itself, not by
         a pool of workers forked from it."""
         from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx
 
         misses = _cache_misses()
         with config.patch(compile_threads=1):
-            compile_fx(GmWrapper(self.gm, list), examples, config_patches=self.options or None)
+            self._inductor(examples)
         return str(_cache_misses() - misses)
 
 
