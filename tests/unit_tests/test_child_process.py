@@ -98,6 +98,45 @@ def test_a_child_that_dies_is_an_error_naming_the_signal():
         run_in_child(lambda: str(os.kill(os.getpid(), signal.SIGKILL)))
 
 
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (ended, not yet reaped by whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_child_dies_with_this_process(tmp_path):
+    """A process killed while its child plans (a rank SIGKILLed mid-job) takes the child
+    with it: no solver is left running on a core nobody reads."""
+    pid_file = tmp_path / "child.pid"
+
+    def plans_for_a_minute() -> str:
+        (tmp_path / "pid.tmp").write_text(str(os.getpid()))
+        (tmp_path / "pid.tmp").rename(pid_file)
+        time.sleep(60)
+        return "late"
+
+    parent = os.fork()
+    if parent == 0:  # the process that plans in a child, killed below
+        try:
+            run_in_child(plans_for_a_minute)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = int(pid_file.read_text())
+    os.kill(parent, signal.SIGKILL)
+    os.waitpid(parent, 0)
+    while not _dead(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not _dead(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the planning child outlived the process that forked it")
+
+
 def test_the_heap_and_side_effects_stay_in_the_child():
     give_back_freed_heap()
     before = _rss_kib()

@@ -27,13 +27,15 @@ STAGES = [
     "mesh_search",
 ]
 # the only modules of `torchtitan` outside the planner it may use: leaves that know torch only
-# (the routed-experts op and its expert-parallel kernels: model code and the planner share them)
+# (the routed-experts op and its expert-parallel kernels: model code and the planner share them),
+# and one that knows only the standard library (a forked child dies with its parent)
 SHARED_LEAVES = {
     "torchtitan.torch_private",
     "torchtitan.exact_init",
     "torchtitan.recompute_ops",
     "torchtitan.ops.routed_experts",
     "torchtitan.distributed.expert_parallel",
+    "torchtitan.tools.local_processes",
 }
 
 

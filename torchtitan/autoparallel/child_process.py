@@ -10,7 +10,8 @@ keep the arenas they landed in: on the debug Llama on a 2 x 2 mesh, rank 0 kept 
 child process that plans and exits returns all of it.
 
 The child is forked (copy on write, nothing imported again) and writes its result to a pipe;
-an exception there comes back as the same planner error, or as a RuntimeError naming it.
+an exception there comes back as the same planner error, or as a RuntimeError naming it.  It
+dies with this process (a rank killed mid-planning leaves no solver running on).
 Where a fork is unsafe or unavailable (not Linux; CUDA already initialised in this process,
 which a forked child cannot use), the step runs in this process instead.
 """
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import torch
+
+from torchtitan.tools.local_processes import die_with_parent
 
 from . import errors
 
@@ -49,6 +52,7 @@ def run_in_child(
     sys.stderr.flush()
     read_end, write_end = os.pipe()
     gc.freeze()  # the child's collections leave the inherited objects (and their pages) alone
+    parent = os.getpid()
     try:
         pid = os.fork()
     except BaseException:
@@ -56,6 +60,8 @@ def run_in_child(
         raise
     if pid == 0:  # the child: answer, then leave without running this process's exit hooks
         os.close(read_end)
+        if not die_with_parent(parent):
+            os._exit(1)
         _answer(fn, write_end)
     gc.unfreeze()
     os.close(write_end)
