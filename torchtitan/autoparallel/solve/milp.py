@@ -61,6 +61,16 @@ class _Relaxed:
     reduced_cost: np.ndarray
 
 
+@dataclass(frozen=True)
+class _Arrays:
+    cost: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    starts: np.ndarray
+    index: np.ndarray
+    value: np.ndarray
+
+
 class Milp:
     """Row-wise sparse model accumulator."""
 
@@ -78,6 +88,7 @@ class Milp:
         # continuous columns that may take values other than 0 and 1 in a plan (sums of
         # costs or bytes): reduced-cost fixing's argument does not hold for them
         self.unfixable: set[int] = set()
+        self._arrays_of: tuple[tuple[int, int, int], _Arrays] | None = None
 
     def var(self, cost: float, lb: float = 0.0, ub: float = 1.0) -> int:
         """A column; it is binary if it belongs to a one-hot group (`onehot`), else continuous."""
@@ -101,10 +112,8 @@ class Milp:
             for c, v in terms:
                 merged[c] += v
             terms = list(merged.items())
-        for c, v in terms:
-            if v != 0.0:
-                self.index.append(c)
-                self.value.append(v)
+        self.index += [c for c, v in terms if v != 0.0]
+        self.value += [v for _, v in terms if v != 0.0]
         self.starts.append(len(self.index))
         self.row_lo.append(lo)
         self.row_hi.append(hi)
@@ -125,24 +134,41 @@ class Milp:
             self.row([(grid[i, k], 1.0) for i in range(len(cols))] + [(z, -1.0)], 0.0, 0.0)
         return grid
 
+    def _arrays(self) -> _Arrays:
+        """The program's columns and rows as arrays, made once for the solves that read it
+        (again if a column or row was added since)."""
+        size = (len(self.cost), len(self.index), len(self.row_lo))
+        if self._arrays_of is None or self._arrays_of[0] != size:
+            f64, i64 = np.float64, np.int64
+            self._arrays_of = (
+                size,
+                _Arrays(
+                    cost=np.asarray(self.cost, dtype=f64),
+                    lb=np.asarray(self.lb, dtype=f64),
+                    ub=np.asarray(self.ub, dtype=f64),
+                    starts=np.asarray(self.starts, dtype=i64),
+                    index=np.asarray(self.index, dtype=i64),
+                    value=np.asarray(self.value, dtype=f64),
+                ),
+            )
+        return self._arrays_of[1]
+
     def _lp(self, keep: np.ndarray | None = None) -> highspy.HighsLp:
         """The program as HiGHS reads it; with `keep` (sorted column indices) only those
         columns, the others being 0."""
-        cost, lb, ub = (np.asarray(v, dtype=np.float64) for v in (self.cost, self.lb, self.ub))
-        starts = np.asarray(self.starts, dtype=np.int64)
-        index = np.asarray(self.index, dtype=np.int64)
-        value = np.asarray(self.value, dtype=np.float64)
+        a = self._arrays()
+        cost, lb, ub, starts, index, value = a.cost, a.lb, a.ub, a.starts, a.index, a.value
         if keep is not None:
-            new_id = np.full(len(self.cost), -1, dtype=np.int64)
+            new_id = np.full(len(cost), -1, dtype=np.int64)
             new_id[keep] = np.arange(len(keep))
-            idx = new_id[np.asarray(self.index, dtype=np.int64)]
+            idx = new_id[index]
             mask = idx >= 0
-            row_of = np.repeat(np.arange(len(self.row_lo)), np.diff(self.starts))
+            row_of = np.repeat(np.arange(len(self.row_lo)), np.diff(starts))
             starts = np.concatenate(
                 [[0], np.cumsum(np.bincount(row_of[mask], minlength=len(self.row_lo)))]
             )
-            index, value = idx[mask], np.asarray(self.value)[mask]
-            cost, lb, ub = (np.asarray(v)[keep] for v in (self.cost, self.lb, self.ub))
+            index, value = idx[mask], value[mask]
+            cost, lb, ub = cost[keep], lb[keep], ub[keep]
         hs = _highspy()
         lp = hs.HighsLp()
         n = len(cost)

@@ -116,7 +116,9 @@ class PlacementProgram:
         }
         self.eta = self.est.cm.overlap_efficiency
         self.xvars: dict[fx.Node, list[int]] = {}
-        self.edge_vars: list[tuple[list[EdgeKey], int, float]] = []  # (members, y, cost each)
+        # per edge: its members, its y columns and the redistribution time of one instance each
+        self.edge_vars: list[tuple[list[EdgeKey], range, list[float]]] = []
+        self._pair_ends: dict[int, tuple[list, list[list[int]], list[list[int]]]] = {}
         self.edge_pair_vars: dict[EdgeKey, list] = {}  # member -> [(y, emitted, required)]
         self.pair_cost: dict[int, float] = {}  # y -> redistribution time of one instance
         self.overlapped: set[int] = set()
@@ -218,14 +220,29 @@ class PlacementProgram:
         )
         if overlappable:
             self.overlapped.update(ys)
-        for y, (i_o, i_r, c, _moves) in zip(ys, pairs):
-            self.edge_vars.append((members, y, c))
-            self.pair_cost[y] = c
-            pair_vars.append((y, emitted[i_o], required[i_r]))
-            rows_o[i_o].append((y, 1.0))
-            rows_r[i_r].append((y, 1.0))
-        for terms in rows_o + rows_r:
-            m.row(terms, 0.0, 0.0)
+        costs = [c for _, _, c, _ in pairs]
+        self.edge_vars.append((members, ys, costs))
+        self.pair_cost.update(zip(ys, costs))
+        pair_vars += [(y, emitted[i_o], required[i_r]) for y, (i_o, i_r, _, _) in zip(ys, pairs)]
+        by_emitted, by_required = self._pairs_by_end(pairs, len(emitted), len(required))
+        for terms, ks in zip(rows_o + rows_r, by_emitted + by_required):
+            m.row(terms + [(ys[k], 1.0) for k in ks], 0.0, 0.0)
+
+    def _pairs_by_end(
+        self, pairs: list, n_emitted: int, n_required: int
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """The indices into `pairs` (a list `prices.pairs` keeps) of each emitted and each
+        required placement's pairs, in order; memoised with the list, as edges of repeated
+        layers share it."""
+        hit = self._pair_ends.get(id(pairs))
+        if hit is None or hit[0] is not pairs:
+            by_emitted: list[list[int]] = [[] for _ in range(n_emitted)]
+            by_required: list[list[int]] = [[] for _ in range(n_required)]
+            for k, (i_o, i_r, _, _) in enumerate(pairs):
+                by_emitted[i_o].append(k)
+                by_required[i_r].append(k)
+            hit = self._pair_ends[id(pairs)] = (pairs, by_emitted, by_required)
+        return hit[1], hit[2]
 
     def add_edges(self) -> None:
         """One set of y per (producer group, consumer group, argument); a value read by
@@ -473,8 +490,10 @@ class PlacementProgram:
             compute += self.prices.compute_cost(self.rep[node], s) * self.weight(node)
         comm = overlapped = 0.0
         edge_comm: dict[EdgeKey, float] = defaultdict(float)
-        for members, v, c in self.edge_vars:
-            if values[v] > 0.5:
+        for members, ys, costs in self.edge_vars:
+            for v, c in zip(ys, costs):
+                if values[v] <= 0.5:
+                    continue
                 count = 0
                 for key in members:
                     count += self.member_weight(key)
