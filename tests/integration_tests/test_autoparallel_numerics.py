@@ -27,7 +27,8 @@ from torchtitan.tools.loss_compare import rank_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-CHECKS = 4  # per model and mesh: init, forward x5, grads x5, params after 5 steps
+# per model and mesh: init, forward x5, grads x5, params after 5 steps, lowering shared
+CHECKS = 5
 
 
 class Checks:
@@ -101,6 +102,8 @@ def test_llama_all_meshes_match_single_process():
     checks = _on_4_ranks("llama", "dp4,tp4,dp2tp2")
     assert checks.count("llama/") == 3 * CHECKS
     assert "llama/dp2tp2 grads x5" in checks
+    for mesh in ("dp4", "tp4", "dp2tp2"):  # one rank's lowering, run by those it compared with
+        assert f"llama/{mesh} lowering loaded by 2 of 4 ranks" in checks, mesh
 
 
 def test_recomputed_blocks_match_single_process():
@@ -122,6 +125,12 @@ def test_mlp_gpt2_tied_mixer_indexing_elementwise_on_all_meshes():
     checks = _on_4_ranks("mlp,gpt2,tied,mixer,indexing,elementwise", "dp4,tp4,dp2tp2")
     for model in ("mlp", "gpt2", "tied", "mixer", "indexing", "elementwise"):
         assert checks.count(f"{model}/") == 3 * CHECKS, model
+    # ranks with the same program load one rank's lowering (all but the two that compare
+    # theirs); the indexing model's graphs fix a rank's index at trace time (gloo's
+    # all-to-all, a gather and a chunk), so each of its ranks lowers its own
+    for mesh in ("dp4", "tp4", "dp2tp2"):
+        assert f"mlp/{mesh} lowering loaded by 2 of 4 ranks" in checks, mesh
+    assert "indexing/dp4 lowering loaded by 0 of 4 ranks" in checks
 
 
 HF_MODELS = ("hf_llama", "hf_qwen2", "hf_mistral", "hf_gpt2", "hf_bert")

@@ -45,8 +45,9 @@ from ..errors import PlannerError
 from .buckets import bucket_collectives
 from .in_place import accumulate_in_place
 from .interpret import PlanInterpreter
-from .lower import lower_joint, partition
+from .lower import Partition, lower_joint, partition
 from .shared_compile import name_groups_by_role, one_compile_at_a_time
+from .shared_lowering import lowered_once, lowering_key
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +77,22 @@ class LoweredPlan:
             tangent_locals.append(torch.empty(shape, dtype=dtype, device=device))
             self.tangent_slots.append(i)
         self.out_like = out_vals
-        # the joint graph and the passes' intermediate graphs are never called: their Python
-        # code is generated only for the two graphs that run, on their first call
-        with use_lazy_graph_module(True):
-            joint = lower_joint(
-                interp,
-                keys + tangent_keys,
-                placements + tangent_pls,
-                locals_ + tangent_locals,
-                device,
-            )
-            part = partition(
-                joint, executor.kept, executor.recompute, fuse_recompute=compile_options is not None
-            )
-            self.stats = bucket_collectives(part, executor.units)
+        keys, placements = keys + tangent_keys, placements + tangent_pls
+        locals_ = locals_ + tangent_locals
+        compiled = compile_options is not None
+        settings = {
+            "compiled": compiled,
+            "kept": sorted(executor.kept) if executor.kept is not None else None,
+            "recompute": executor.recompute,
+            "units": executor.units,
+        }
+        part, self.stats = lowered_once(
+            lowering_key(interp, keys, placements, locals_, settings),
+            lambda: _lower(executor, keys, placements, locals_, device),
+        )
         log.info(
             "lowered graphs%s: collectives forward %s, backward %s",
-            " (to compile)" if compile_options is not None else "",
+            " (to compile)" if compiled else "",
             _counts(self.stats["fwd"]),
             _counts(self.stats["bwd"]),
         )
@@ -103,18 +103,43 @@ class LoweredPlan:
         slot_of = {interp.param_of.get(k): i for i, k in enumerate(keys) if k in interp.param_of}
         self.grad_slots = [slot_of[f] for f in part.grad_names]
         self.grad_slots += [keys.index(tg.inputs[i]) for i in part.input_grads]
-        self.n_in = len(keys)
+        self.n_in = len(keys) - len(tangent_keys)
         self.fwd: Callable[[list], Any]
         self.bwd: Callable[[list], Any]
         if compile_options is None:
-            in_place = accumulate_in_place(part.fwd) + accumulate_in_place(part.bwd)
-            log.info("lowered graphs: %d sums written into an operand that dies at them", in_place)
+            log.info(
+                "lowered graphs: %d sums written into an operand that dies at them",
+                self.stats["in_place"],
+            )
             self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
-            for gm in (part.fwd, part.bwd):  # the same code on every rank running this program
-                name_groups_by_role(gm, interp.mesh)
             self.fwd = InductorOnFirstCall(part.fwd, compile_options)
             self.bwd = InductorOnFirstCall(part.bwd, compile_options)
+
+
+def _lower(
+    executor: LoweredExecutor, keys: list[fx.Node], placements: list, locals_: list, device
+) -> tuple[Partition, dict]:
+    """The plan lowered for these local values: forward and backward graphs, collectives
+    bucketed (and, for eager mode, sums written in place), groups named by their role in
+    the mesh; and counts of what was done."""
+    interp = executor.interp
+    # the joint graph and the passes' intermediate graphs are never called: their Python
+    # code is generated only for the two graphs that run, on their first call
+    with use_lazy_graph_module(True):
+        joint = lower_joint(interp, keys, placements, locals_, device)
+        part = partition(
+            joint,
+            executor.kept,
+            executor.recompute,
+            fuse_recompute=executor.compile_options is not None,
+        )
+        stats = bucket_collectives(part, executor.units)
+    if executor.compile_options is None:
+        stats["in_place"] = accumulate_in_place(part.fwd) + accumulate_in_place(part.bwd)
+    for gm in (part.fwd, part.bwd):  # the same code on every rank running this program
+        name_groups_by_role(gm, interp.mesh)
+    return part, stats
 
 
 class _PlanFunction(torch.autograd.Function):

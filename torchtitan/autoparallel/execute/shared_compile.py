@@ -56,11 +56,7 @@ def name_groups_by_role(gm: fx.GraphModule, mesh: Any) -> int:
     group over the same ranks (DTensor may hand out an equal mesh made earlier, whose groups
     are other objects over the same ranks) — to that group's role name (mesh dim name and
     size); returns the number of arguments renamed."""
-    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
-    role_of_ranks = {}
-    for d, dim in enumerate(names):
-        group = mesh.get_group(d)
-        role_of_ranks[_ranks(group)] = _role_name(group, f"{dim}/{group.size()}")
+    role_of_ranks = {_ranks(mesh.get_group(d)): name for d, name in enumerate(role_names(mesh))}
     role_of: dict[str, str | None] = {}
 
     def role(name: Any) -> str | None:
@@ -90,6 +86,29 @@ def name_groups_by_role(gm: fx.GraphModule, mesh: Any) -> int:
     if renamed:
         gm.recompile()
     return renamed
+
+
+def role_names(mesh: Any) -> list[str]:
+    """The role name of each mesh dim's group in this process (registered with c10d)."""
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    return [
+        _role_name(mesh.get_group(d), f"{dim}/{mesh.get_group(d).size()}")
+        for d, dim in enumerate(names)
+    ]
+
+
+def names_no_rank(gm: fx.GraphModule) -> bool:
+    """Whether every process group `gm` names is named by role (the same on every rank)."""
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.name == "group_name":
+                name = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+                if isinstance(name, str) and not name.startswith(_PREFIX):
+                    return False
+    return True
 
 
 def _ranks(group: Any) -> tuple[int, ...]:
