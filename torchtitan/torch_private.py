@@ -130,10 +130,8 @@ TorchDispatchMode, get_current_dispatch_mode_stack = _require(
 (register_process_group,) = _require("torch._C._distributed_c10d", "_register_process_group")
 # a lock file shared by a machine's processes (one of them compiles a graph, as inductor does)
 (FileLock,) = _require("torch.utils._filelock", "FileLock")
-# the job's key-value store (ranks hand each other lowered graphs: execute/shared_lowering.py),
-# and graphs pickled node by node, so their code is the same once loaded
+# the job's key-value store (ranks hand each other lowered graphs: execute/shared_lowering.py)
 (get_default_store,) = _require("torch.distributed.distributed_c10d", "_get_default_store")
-GraphPickler, GraphPicklerOptions = _require("torch.fx._graph_pickler", "GraphPickler", "Options")
 
 
 def planning_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):

@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from autoparallel_models import MLPStack
+from autoparallel_models import Elementwise, MLPStack
+from test_executor import lowered
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from torchtitan.autoparallel import AutoParallel
 from torchtitan.autoparallel.errors import PlannerError
+from torchtitan.autoparallel.execute import graph_bytes
 from torchtitan.autoparallel.execute import shared_lowering as sl
 from torchtitan.autoparallel.execute.lower import Partition
 
@@ -107,3 +109,19 @@ def test_a_mesh_dim_that_shards_a_value_unevenly_is_found(fake_world, hidden, un
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         assert sl.uneven_mesh_dims(_interp(mesh, hidden)) == uneven
+
+
+def test_a_lowered_graph_loads_as_the_same_program(fake_world):
+    """graph_bytes: nodes, their names (so the code), ops and a constant the graph reads
+    survive."""
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        lp = lowered(mesh, Elementwise, torch.randn(16, 8, 32))
+    graphs = (lp.partition.fwd, lp.partition.bwd)
+    assert any(n.op == "get_attr" for gm in graphs for n in gm.graph.nodes)
+    for gm in graphs:
+        loaded = graph_bytes.loads(graph_bytes.dumps(gm))
+        assert str(loaded.graph) == str(gm.graph)  # every node, name, target and argument
+        for n in loaded.graph.nodes:
+            if n.op == "get_attr":
+                assert torch.equal(getattr(loaded, n.target), getattr(gm, n.target))

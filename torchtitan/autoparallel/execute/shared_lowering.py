@@ -11,13 +11,16 @@ not by a list:
 
 * the *reference* rank (coordinate 0 on every mesh dim the ranks share graphs across) and
   the *witness* (the last coordinate on each of those dims) both lower;
-* the reference publishes its graphs in the job's store (pickled with `GraphPickler`, node
-  metadata dropped: nothing reads it after the lowering) once the witness's code equals
-  its own, else that each rank lowers for itself;
+* the reference publishes its graphs in the job's store (graph_bytes.py) once the
+  witness's code equals its own, else that each rank lowers for itself;
 * every other rank with the same key waits for that verdict and loads the graphs, or
   lowers.  The ranks that load run the reference's code, so compiled ranks also share
-  inductor's cache entries.  A rank whose index the graphs fixed differs from the
-  reference's and the witness's in some coordinate, so such graphs differ between those two.
+  inductor's cache entries.
+
+The comparison finds an index fixed at trace time wherever it differs between the first
+and the last coordinate (an offset, a chunk index, a step only the first rank takes); a
+rule that gave those two one graph and a rank between them another would go unseen (none
+of DTensor's does on even shards; uneven ones are kept apart by the key, below).
 
 `lowering_key(...)` hashes what the graphs depend on — the traced graph, the plan, the
 mesh and the role names of its groups in this process, the local signature, the lowering's
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import math
@@ -48,18 +50,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from torchtitan.torch_private import (
-    FakeTensorMode,
-    GraphPickler,
-    GraphPicklerOptions,
-    get_default_store,
-)
+from torchtitan.torch_private import get_default_store
 
 from ..errors import PlannerError
 from ..graph import placements as P
 from ..graph.nodes import is_getitem
 from ..ops.collective_ops import COLLECTIVE_OPS
 from ..plan.plan import graph_fingerprint
+from . import graph_bytes
 from .interpret import PlanInterpreter
 from .lower import Partition
 from .shared_compile import names_no_rank, role_names
@@ -239,10 +237,15 @@ def lowered_once(
         store.set(verdict_key, _OWN)
         log.info("lowered graphs: they differ between ranks; each rank lowers its own")
         return part, stats
-    data = _dumps(part, stats)
+    try:
+        data = _dumps(part, stats)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:  # an op pickle cannot name
+        store.set(verdict_key, _OWN)
+        log.info("lowered graphs: not shared (%s); each rank lowers its own", e)
+        return part, stats
     store.set(verdict_key, data)
     log.info("lowered graphs: published for the ranks with this program (%d KiB)", len(data) >> 10)
-    return _loads(data)  # what the ranks that load them run
+    return part, stats
 
 
 def _code(part: Partition) -> bytes:
@@ -258,23 +261,12 @@ def _raise_if_failed(data: bytes) -> None:
 
 
 def _dumps(part: Partition, stats: dict) -> bytes:
-    graphs = []
-    for gm in (part.fwd, part.bwd):
-        for node in gm.graph.nodes:
-            node.meta = {}
-        # every op, not only ATen's: the collectives and our own ops, by their names
-        graphs.append(GraphPickler.dumps(gm, GraphPicklerOptions(ops_filter=None)))
     rest = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
-    del rest["fwd"], rest["bwd"]
-    buf = io.BytesIO()
-    pickle.dump((graphs, rest, stats), buf)
-    return buf.getvalue()
+    graphs = [graph_bytes.dumps(rest.pop("fwd")), graph_bytes.dumps(rest.pop("bwd"))]
+    return pickle.dumps((graphs, rest, stats))
 
 
 def _loads(data: bytes) -> tuple[Partition, dict]:
     graphs, rest, stats = pickle.loads(data)
-    fake_mode = FakeTensorMode()
-    fwd, bwd = (GraphPickler.loads(g, fake_mode) for g in graphs)
-    for gm in (fwd, bwd):
-        gm.recompile()  # a loaded graph has no Python code until then
+    fwd, bwd = (graph_bytes.loads(g) for g in graphs)
     return Partition(fwd=fwd, bwd=bwd, **rest), stats
