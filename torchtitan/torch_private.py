@@ -76,8 +76,8 @@ compute_local_shape_and_global_offset, compute_global_tensor_info = _require(
 GradAOTOutput, PlainAOTOutput = _require(
     "torch._functorch._aot_autograd.descriptors", "GradAOTOutput", "PlainAOTOutput"
 )
-DataDependentOutputException, FakeTensorMode = _require(
-    "torch._subclasses.fake_tensor", "DataDependentOutputException", "FakeTensorMode"
+DataDependentOutputException, FakeTensor, FakeTensorMode = _require(
+    "torch._subclasses.fake_tensor", "DataDependentOutputException", "FakeTensor", "FakeTensorMode"
 )
 (compile_session_context,) = _require("torch.compiler", "_compile_session_context")
 # a module whose inputs inductor's compile_fx takes as one list it empties (boxed call)

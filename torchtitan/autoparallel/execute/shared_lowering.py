@@ -42,22 +42,19 @@ import math
 import pickle
 from collections import Counter
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from torchtitan.torch_private import get_default_store
-
 from ..errors import PlannerError
+from ..graph import graph_bytes
 from ..graph import placements as P
+from ..graph.job_store import WAIT, job_store
 from ..graph.nodes import is_getitem
 from ..ops.collective_ops import COLLECTIVE_OPS
 from ..plan.plan import graph_fingerprint
-from . import graph_bytes
 from .interpret import PlanInterpreter
 from .lower import Partition
 from .shared_compile import names_no_rank, role_names
@@ -69,15 +66,6 @@ _OWN = b"own"  # the graphs differ between ranks: each rank lowers for itself
 _FAILED = b"failed:"
 # input signatures this process lowered itself, and those it loaded from another rank
 counts: Counter[str] = Counter()
-# how long a rank waits for another to lower (a large model's lowering takes minutes)
-WAIT = timedelta(hours=1)
-
-
-def _store() -> Any:
-    """The job's store, shared by every rank (None: one process, or a fake process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return None
-    return get_default_store()
 
 
 def uneven_mesh_dims(interp: PlanInterpreter) -> set[int]:
@@ -156,7 +144,7 @@ def lowering_key(
 ) -> LoweringKey | None:
     """The key under which ranks share the lowered graphs of this input signature, or None
     when this rank lowers for itself (see the module docstring)."""
-    store = _store()
+    store = job_store()
     if store is None:
         return None
     tg, mesh = interp.tg, interp.mesh
@@ -268,5 +256,5 @@ def _dumps(part: Partition, stats: dict) -> bytes:
 
 def _loads(data: bytes) -> tuple[Partition, dict]:
     graphs, rest, stats = pickle.loads(data)
-    fwd, bwd = (graph_bytes.loads(g) for g in graphs)
+    fwd, bwd = (graph_bytes.loads(g)[0] for g in graphs)
     return Partition(fwd=fwd, bwd=bwd, **rest), stats

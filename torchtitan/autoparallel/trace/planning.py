@@ -2,7 +2,8 @@
 whole model's trace made on first use (apply runs the plan on it).
 
 Both are made on first use: a process that receives its plan from another one (a training
-rank other than the planning one) never needs the planning trace, only the whole model's.
+rank other than the planning one) never needs the planning trace, only the whole model's,
+and in a job of several ranks one of them makes that one for all (shared_trace.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn as nn
 from ..errors import PlannerError
 from . import repeat
 from .joint import TracedGraph, trace_joint
+from .shared_trace import traced_once
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,13 @@ class PlanningTrace:
         is not shallow)."""
         if self._full is None:
             t = time.perf_counter()
-            self._full = trace_joint(self._model, self._input_fn, self._param_dtype, self.blocks)
+            self._full = traced_once(
+                self._model,
+                self._input_fn,
+                self._param_dtype,
+                self.blocks,
+                lambda: trace_joint(self._model, self._input_fn, self._param_dtype, self.blocks),
+            )
             if self.blocks:
                 self.full_seconds = time.perf_counter() - t
         return self._full
