@@ -77,7 +77,18 @@ def run_in_child(
     return _result(json.loads(data), task)
 
 
+_in_forked_child = False
+
+
+def in_forked_child() -> bool:
+    """Whether this process is a child `run_in_child` forked (it shares its parent's
+    connections, such as the job's store, which only the parent may use)."""
+    return _in_forked_child
+
+
 def _answer(fn: Callable[[], str], fd: int) -> None:
+    global _in_forked_child
+    _in_forked_child = True
     code = 0
     try:
         try:

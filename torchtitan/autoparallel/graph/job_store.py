@@ -8,7 +8,6 @@ shares its parent's connection to the store, which only the parent may use).
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -16,24 +15,17 @@ import torch.distributed as dist
 
 from torchtitan.torch_private import get_default_store
 
+from ..child_process import in_forked_child
+
 # how long a rank waits for another to make what it shares (a large model's lowering takes
 # minutes; a rank that fails publishes that it failed, so nobody waits for it that long)
 WAIT = timedelta(hours=1)
-_in_forked_child = False
 
 
 def job_store() -> Any:
     """The store every rank of the job reaches (c10d's `Store`), or None (see above)."""
-    if _in_forked_child or not dist.is_initialized():
+    if in_forked_child() or not dist.is_initialized():
         return None
     if dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return None
     return get_default_store()
-
-
-def _forked() -> None:
-    global _in_forked_child
-    _in_forked_child = True
-
-
-os.register_at_fork(after_in_child=_forked)  # a child must not use its parent's store
