@@ -109,7 +109,10 @@ def _settings(module: nn.Module) -> dict[str, str]:
     for name, value in vars(module).items():
         if name.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
             continue
-        text = repr(value)
+        try:
+            text = repr(value)
+        except Exception:  # noqa: BLE001 - a value that cannot show itself: its class
+            text = " at 0x"
         out[name] = text if " at 0x" not in text else type(value).__qualname__
     return out
 
