@@ -97,20 +97,6 @@ def role_names(mesh: Any) -> list[str]:
     ]
 
 
-def names_no_rank(gm: fx.GraphModule) -> bool:
-    """Whether every process group `gm` names is named by role (the same on every rank)."""
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            if arg.name == "group_name":
-                name = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
-                if isinstance(name, str) and not name.startswith(_PREFIX):
-                    return False
-    return True
-
-
 def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 

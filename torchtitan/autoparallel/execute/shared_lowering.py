@@ -18,7 +18,9 @@ not by a list:
   inductor's cache entries.
 
 The comparison finds an index fixed at trace time wherever it differs between the first
-and the last coordinate (an offset, a chunk index, a step only the first rank takes); a
+and the last coordinate (an offset, a chunk index, a step only the first rank takes, a
+process group left named by its ranks that is not every such rank's group: these two
+differ on every shared dim, so they hold different groups then too); a
 rule that gave those two one graph and a rank between them another would go unseen (none
 of DTensor's does on even shards; uneven ones are kept apart by the key, below).
 
@@ -57,7 +59,7 @@ from ..ops.collective_ops import COLLECTIVE_OPS
 from ..plan.plan import graph_fingerprint
 from .interpret import PlanInterpreter
 from .lower import Partition
-from .shared_compile import names_no_rank, role_names
+from .shared_compile import role_names
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +223,7 @@ def lowered_once(
     if theirs.startswith(_FAILED):
         store.set(verdict_key, theirs)
         _raise_if_failed(theirs)
-    if theirs != code or not all(names_no_rank(gm) for gm in (part.fwd, part.bwd)):
+    if theirs != code:
         store.set(verdict_key, _OWN)
         log.info("lowered graphs: they differ between ranks; each rank lowers its own")
         return part, stats
