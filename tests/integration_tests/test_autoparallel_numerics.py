@@ -249,6 +249,9 @@ def test_moe_on_all_meshes_and_with_expert_parallelism():
         assert f"moe_bias+ep/{mesh} grads x5" in checks
         assert f"moe+ep/{mesh} grads x5" in checks
         assert f"moe+ep/{mesh} expert-parallel kernels 4 of 4" in checks
+        # the experts' all-to-all finds its rank when it runs: one rank's lowering serves
+        for model in ("moe", "moe+ep"):
+            assert f"{model}/{mesh} lowering loaded by 2 of 4 ranks" in checks, (model, mesh)
 
 
 def test_replicated_plan_matches_single_process():

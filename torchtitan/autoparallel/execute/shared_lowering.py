@@ -27,11 +27,12 @@ of DTensor's does on even shards; uneven ones are kept apart by the key, below).
 `lowering_key(...)` hashes what the graphs depend on — the traced graph, the plan, the
 mesh and the role names of its groups in this process, the local signature, the lowering's
 settings — and, for each mesh dim that shards some value unevenly, this rank's coordinate
-on it: ranks that hold shards of other shapes never share graphs.  Without a store (one
-process, a fake process group), with an op that communicates inside the model (its local
-program may depend on the rank), or with no mesh dim to share across, every rank lowers
-for itself.  A rank that fails to lower as reference or witness publishes the failure, so
-the waiting ranks stop with it.
+on it: ranks that hold shards of other shapes never share graphs.  An op that
+communicates inside the model (the routed experts' all-to-all) is no exception: it finds
+its rank in its group when it runs, and an index it fixed at trace time would show in the
+comparison like any other.  Without a store (one process, a fake process group) or with no
+mesh dim to share across, every rank lowers for itself.  A rank that fails to lower as
+reference or witness publishes the failure, so the waiting ranks stop with it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from ..graph import graph_bytes
 from ..graph import placements as P
 from ..graph.job_store import WAIT, job_store
 from ..graph.nodes import is_getitem
-from ..ops.collective_ops import COLLECTIVE_OPS
 from ..plan.plan import graph_fingerprint
 from .interpret import PlanInterpreter
 from .lower import Partition
@@ -150,8 +150,6 @@ def lowering_key(
     if store is None:
         return None
     tg, mesh = interp.tg, interp.mesh
-    if any(n.target in COLLECTIVE_OPS for n in tg.gm.graph.nodes):
-        return None
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
