@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchtitan.autoparallel import child_process
-from torchtitan.autoparallel.child_process import run_in_child
+from torchtitan.autoparallel.child_process import map_in_children, run_in_child
 from torchtitan.autoparallel.errors import InfeasiblePlanError
 from torchtitan.tools.heap import give_back_freed_heap
 
@@ -96,6 +96,48 @@ def test_another_error_comes_back_named(capfd):
 def test_a_child_that_dies_is_an_error_naming_the_signal():
     with pytest.raises(RuntimeError, match=r"ended without an answer \(killed by signal 9\)"):
         run_in_child(lambda: str(os.kill(os.getpid(), signal.SIGKILL)))
+
+
+def test_children_answer_in_order_each_with_its_own_error():
+    def infeasible() -> str:
+        raise InfeasiblePlanError("constraints cannot all hold: memory budget 1 GiB")
+
+    answers = map_in_children(
+        [
+            lambda: f"first {os.getpid()}",
+            infeasible,
+            lambda: str({}["missing"]),
+            lambda: str(os.kill(os.getpid(), signal.SIGKILL)),
+            lambda: "last",
+        ],
+        workers=2,
+    )
+    first, error, other, killed, last = answers
+    assert isinstance(first, str) and first.startswith("first ") and first != f"first {os.getpid()}"
+    assert isinstance(error, InfeasiblePlanError) and str(error).startswith("constraints cannot")
+    assert isinstance(other, RuntimeError) and "with KeyError: 'missing'" in str(other)
+    assert isinstance(killed, RuntimeError) and "killed by signal 9" in str(killed)
+    assert last == "last"
+
+
+def test_children_run_side_by_side(tmp_path):
+    """Each child waits for the other's mark: both see it only if they run at once."""
+
+    def meets(me: str, other: str) -> str:
+        (tmp_path / me).touch()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / other).exists():
+            if time.monotonic() > deadline:
+                return "alone"
+            time.sleep(0.01)
+        return "together"
+
+    answers = map_in_children([lambda: meets("a", "b"), lambda: meets("b", "a")], workers=2)
+    assert answers == ["together", "together"]
+
+
+def test_one_worker_runs_in_this_process():
+    assert map_in_children([lambda: str(os.getpid())] * 2, workers=1) == [str(os.getpid())] * 2
 
 
 def _dead(pid: int) -> bool:

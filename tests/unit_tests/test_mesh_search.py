@@ -9,6 +9,7 @@ from scratch with a fresh `AutoParallel`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -218,6 +219,26 @@ def test_meshes_of_one_shape_share_their_strategies_and_solve_as_alone():
         ns.strategies for ns in alone.nodes.values()
     ]
     assert_matches_independent_solves(result, model, shape, "h100")
+
+
+def test_candidates_solved_side_by_side_give_the_plans_of_one_process():
+    """Three distinct programs solved in three forked children at once: the same results
+    and the same plans as solving them one after another in this process."""
+    model, shape = meta_mlp(64, 128), (8, 16, 64)
+    cands = [DP8, DP4_TP2, DP2_TP4]
+    apart = search(model, shape, cands, "h100", workers=3)
+    here = search(model, shape, cands, "h100", workers=1)
+    for a, b in zip(apart.results, here.results):
+        assert (a.predicted, a.objective, a.gap, a.note) == (
+            b.predicted,
+            b.objective,
+            b.gap,
+            b.note,
+        )
+    assert apart.chosen == here.chosen
+    assert apart.plan is not None and here.plan is not None
+    untimed = [dataclasses.replace(p, timings={}).to_json() for p in (apart.plan, here.plan)]
+    assert untimed[0] == untimed[1]
 
 
 def test_candidate_whose_batch_cannot_split_is_reported_and_the_rest_compete():

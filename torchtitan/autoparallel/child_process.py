@@ -21,9 +21,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import selectors
+import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -75,6 +77,73 @@ def run_in_child(
     if not data:
         raise RuntimeError(f"the {task} process ended without an answer ({_how(status)})")
     return _result(json.loads(data), task)
+
+
+def map_in_children(
+    fns: Sequence[Callable[[], str]], workers: int, task: str = "planning"
+) -> list[str | Exception]:
+    """`fn()` of each of `fns`, each in a forked child of its own, at most `workers` at a
+    time (in this process, one after another, where `can_fork` is False or one worker or one
+    function is all there is): per function, in order, the text it returned or the error it
+    raised (as `run_in_child` raises it), for the caller to raise or report."""
+    if not can_fork() or workers <= 1 or len(fns) <= 1:
+        return [_outcome_here(fn) for fn in fns]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    out: list[str | Exception] = [RuntimeError(f"the {task} process did not run")] * len(fns)
+    waiting = list(enumerate(fns))[::-1]
+    running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (index, pid, answer)
+    selector = selectors.DefaultSelector()
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                i, fn = waiting.pop()
+                read_end, write_end = os.pipe()
+                gc.freeze()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(read_end)
+                    if not die_with_parent(parent):
+                        os._exit(1)
+                    _answer(fn, write_end)
+                os.close(write_end)
+                running[read_end] = (i, pid, bytearray())
+                selector.register(read_end, selectors.EVENT_READ)
+            for key, _ in selector.select():
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    running[key.fd][2].extend(chunk)
+                    continue
+                selector.unregister(key.fd)
+                os.close(key.fd)
+                i, pid, data = running.pop(key.fd)
+                _, status = os.waitpid(pid, 0)
+                out[i] = _outcome(bytes(data), status, task)
+    finally:
+        gc.unfreeze()
+        selector.close()
+        for read_end, (_, pid, _) in running.items():  # only after an error here
+            os.close(read_end)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return out
+
+
+def _outcome_here(fn: Callable[[], str]) -> str | Exception:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - handed to the caller, which raises or reports it
+        return e
+
+
+def _outcome(data: bytes, status: int, task: str) -> str | Exception:
+    if not data:
+        return RuntimeError(f"the {task} process ended without an answer ({_how(status)})")
+    try:
+        return _result(json.loads(data), task)
+    except Exception as e:  # noqa: BLE001 - handed to the caller, which raises or reports it
+        return e
 
 
 _in_forked_child = False

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 
 from torchtitan.torch_private import planning_mesh
 
+from .child_process import map_in_children
 from .errors import PlannerError
 from .plan.cache import cached_plan, plan_key
 from .plan.plan import Plan
@@ -251,6 +253,7 @@ def search_meshes(
     cache_dir: str | Path | None = None,
     device_type: str = "cpu",
     skipped: Sequence[tuple[str, str]] = (),
+    workers: int | None = None,
 ) -> MeshSearch:
     """Plan `autop`'s model (an entered `AutoParallel`) on every candidate and choose;
     the answer holds the chosen candidate's plan (`MeshSearch.plan`), to apply from
@@ -259,11 +262,12 @@ def search_meshes(
     Runs in this process only (the candidates' meshes have no process groups); a trainer
     calls it on one rank and shares the answer (`to_json` carries the plan).  With
     `cache_dir` every candidate's plan is read from / written to the plan cache, so a
-    restart repeats the search from the cache.
+    restart repeats the search from the cache.  `workers`: how many candidates' programs
+    are solved at once (`plan_candidates`).
     """
     if not candidates:
         raise PlannerError("mesh search: no candidate mesh")
-    planned = plan_candidates(autop, candidates, constrain, cache_dir, device_type)
+    planned = plan_candidates(autop, candidates, constrain, cache_dir, device_type, workers)
     return choose(planned, tie_break, skipped)
 
 
@@ -273,44 +277,79 @@ def plan_candidates(
     constrain: Callable[[Any, MeshCandidate], None],
     cache_dir: str | Path | None = None,
     device_type: str = "cpu",
+    workers: int | None = None,
 ) -> list[tuple[CandidateResult, Plan | None]]:
     """Each candidate's result and plan (None where it has none: the result says why),
-    planned from `autop`'s trace under `constrain`'s constraints.  A candidate whose program
-    is one already solved under other mesh-dim names (dp_replicate 4 after dp_shard 4: the
-    planner places the parameters itself, so the names do not change the program) takes
-    that plan, renamed, without solving."""
-    out = []
-    solved: dict[str, tuple[MeshCandidate, Plan]] = {}  # program key -> first candidate, plan
+    planned from `autop`'s trace under `constrain`'s constraints.
+
+    Each candidate's program is made here, one after another (strategies on its mesh,
+    constraints); the distinct programs are then solved side by side, each in a forked
+    child process, `workers` at a time (default: the cores this process may run on).  A
+    candidate whose program is one already listed under other mesh-dim names (dp_replicate
+    4 beside dp_shard 4: the planner places the parameters itself, so the names do not
+    change the program) takes that plan, renamed, without solving."""
+    prepared: list[tuple[CandidateResult, Any, PlanningProblem | None, str | None]] = []
     for cand in candidates:
         t0 = time.perf_counter()
         sub = autop.on_mesh(planning_mesh(device_type, cand.shape, cand.names))
         result = CandidateResult(cand)
-        plan: Plan | None = None
         try:
             constrain(sub, cand)
             problem = sub.problem()
-            program = plan_key(problem, names=False)
-            if program in solved:
-                twin, twin_plan = solved[program]
-                plan = _renamed(twin_plan, problem, cache_dir)
-                result.detail = f"the program of {twin.label()} under other names: its plan"
-            else:
-                plan = sub.solve_problem(problem, cache_dir)
-                solved[program] = (cand, plan)
-            result.predicted = dict(plan.predicted)
-            result.gap = proven_gap(plan)
-            result.objective = plan.solver.get("objective")
-        except PlannerError as e:  # infeasible under the budget, or a pin that cannot hold
-            result.note = str(e).splitlines()[0] if str(e) else type(e).__name__
+            prepared.append((result, sub, problem, plan_key(problem, names=False)))
+        except PlannerError as e:  # a pin that cannot hold on this mesh
+            result.note = _first_line(e)
+            prepared.append((result, sub, None, None))
         result.plan_s = time.perf_counter() - t0
+    first_of: dict[str, int] = {}  # program key -> the first candidate with that program
+    for i, (*_, key) in enumerate(prepared):
+        if key is not None:
+            first_of.setdefault(key, i)
+    solving = list(first_of.values())
+
+    def solve(i: int) -> str:
+        _, sub, problem, _ = prepared[i]
+        t0 = time.perf_counter()
+        plan = sub.solve_problem(problem, cache_dir)
+        return json.dumps({"plan": plan.to_json(), "seconds": time.perf_counter() - t0})
+
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    answers = dict(zip(solving, map_in_children([lambda i=i: solve(i) for i in solving], workers)))
+    out = []
+    for i, (result, _, problem, key) in enumerate(prepared):
+        plan: Plan | None = None
+        if key is not None and problem is not None:
+            first = first_of[key]
+            answer = answers[first]
+            if isinstance(answer, PlannerError):  # infeasible under the budget, say
+                result.note = _first_line(answer)
+            elif isinstance(answer, Exception):
+                raise answer
+            else:
+                solved = json.loads(answer)
+                plan = Plan.from_json(solved["plan"])
+                if first == i:
+                    result.plan_s += solved["seconds"]
+                else:
+                    plan = _renamed(plan, problem, cache_dir)
+                    twin = prepared[first][0].mesh.label()
+                    result.detail = f"the program of {twin} under other names: its plan"
+                result.predicted = dict(plan.predicted)
+                result.gap = proven_gap(plan)
+                result.objective = plan.solver.get("objective")
         log.info(
             "mesh %s: %s in %.1fs",
-            cand.label(),
+            result.mesh.label(),
             f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note,
             result.plan_s,
         )
         out.append((result, plan))
     return out
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _renamed(plan: Plan, problem: PlanningProblem, cache_dir: str | Path | None) -> Plan:
@@ -323,6 +362,7 @@ def choose(
     planned: Sequence[tuple[CandidateResult, Plan | None]],
     tie_break: Callable[[MeshCandidate], Any] | None = None,
     skipped: Sequence[tuple[str, str]] = (),
+    workers: int | None = None,
 ) -> MeshSearch:
     """The fastest of the planned candidates that fit (the caller's `tie_break` key among
     those within `TIE_REL`), or a `PlannerError` listing why none has a plan."""
