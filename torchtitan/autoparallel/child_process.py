@@ -9,6 +9,8 @@ keep the arenas they landed in: on the debug Llama on a 2 x 2 mesh, rank 0 kept 
 30 MB of resident memory for the rest of the job, which `malloc_trim` cannot give back.  A
 child process that plans and exits returns all of it.
 
+`map_in_children` runs several such steps side by side, one child each, as many at once as
+asked (the mesh search solves its candidates' programs so).
 The child is forked (copy on write, nothing imported again) and writes its result to a pipe;
 an exception there comes back as the same planner error, or as a RuntimeError naming it.  It
 dies with this process (a rank killed mid-planning leaves no solver running on).
