@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +316,7 @@ def plan_candidates(
 
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    answers = dict(zip(solving, map_in_children([lambda i=i: solve(i) for i in solving], workers)))
+    answers = dict(zip(solving, map_in_children([partial(solve, i) for i in solving], workers)))
     out = []
     for i, (result, _, problem, key) in enumerate(prepared):
         plan: Plan | None = None

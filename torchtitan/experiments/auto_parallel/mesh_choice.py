@@ -12,10 +12,10 @@ which is the same for every candidate.  Rank 0's planning process traces the mod
 and plans each candidate from that trace with the job's own constraints
 (`autoparallel.mesh_search`; candidates that differ only in their dims' names are one
 program, solved once; the distinct programs are solved side by side, one forked process
-each, as many at once as the planning process has cores); meanwhile every rank traces the whole model, and every rank
-receives the choice and its plan, which `parallelize_auto` applies to that trace without
-solving again (`SearchedPlan`).  With the plan cache on, every candidate's plan is cached,
-so a restart makes the same choice without solving.
+each, as many at once as the planning process has cores); meanwhile every rank traces
+the whole model, and every rank receives the choice and its plan, which `parallelize_auto`
+applies to that trace without solving again (`SearchedPlan`).  With the plan cache on,
+every candidate's plan is cached, so a restart makes the same choice without solving.
 """
 
 from __future__ import annotations
