@@ -55,7 +55,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan.autoparallel import AutoParallel, Plan
-from torchtitan.autoparallel.execute import shared_lowering
 from torchtitan.distributed.init_check import every_value_initialised
 
 TOL = 1e-5
@@ -308,7 +307,6 @@ def run_one(model_name, mesh_name, world, bf16=False):
     # bf16 against the fp32 reference: one step (AdamW turns bf16 gradient noise into
     # lr-sized differences, so later steps would compare two different trajectories)
     steps = 1 if bf16 else STEPS
-    loaded_before = shared_lowering.counts["loaded"]
     for step in range(1, steps + 1):
         if step > 1:
             inputs, labels = make_inputs(g), make_labels(g)
@@ -349,7 +347,8 @@ def run_one(model_name, mesh_name, world, bf16=False):
     check(f"{model_name}/{mesh_name} forward x{steps}", True, f"max err {worst_out:.2e}")
     # how many ranks ran graphs another rank lowered (execute/shared_lowering.py): the tests
     # require it where the ranks' programs are the same and none where they differ
-    loaded = torch.tensor([shared_lowering.counts["loaded"] - loaded_before])
+    (lowered,) = pm._ap_executor.lowered.values()
+    loaded = torch.tensor([int(lowered.stats["loaded"])])
     dist.all_reduce(loaded)
     check(f"{model_name}/{mesh_name} lowering", True, f"loaded by {int(loaded)} of {world} ranks")
     check(

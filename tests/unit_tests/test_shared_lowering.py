@@ -65,6 +65,7 @@ ROLES = [sl.REFERENCE, sl.READER, sl.READER, sl.WITNESS]
 def test_readers_load_the_reference_graphs_when_the_witness_agrees():
     results, lowered = _run_ranks(ROLES, lambda i: _partition(2.0))
     assert lowered == [0, 3]  # the reference and the witness, nobody else
+    assert [stats["loaded"] for _part, stats in results] == [False, True, True, False]
     x = torch.arange(4.0)
     for part, _stats in results:
         assert torch.equal(part.fwd(x), 2 * x) and torch.equal(part.bwd(x), 2 * x)
@@ -77,6 +78,7 @@ def test_every_rank_lowers_its_own_when_the_witness_differs():
     # a rank-dependent constant (as a chunk index fixed at trace time would be)
     results, lowered = _run_ranks(ROLES, lambda i: _partition(float(i)))
     assert lowered == [0, 1, 2, 3]
+    assert not any(stats["loaded"] for _part, stats in results)
     x = torch.ones(2)
     assert [float(r[0].fwd(x)[0]) for r in results] == [0.0, 1.0, 2.0, 3.0]
 

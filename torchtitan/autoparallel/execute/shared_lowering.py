@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import pickle
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,8 +65,6 @@ log = logging.getLogger(__name__)
 _PREFIX = "autoparallel/lowered/"
 _OWN = b"own"  # the graphs differ between ranks: each rank lowers for itself
 _FAILED = b"failed:"
-# input signatures this process lowered itself, and those it loaded from another rank
-counts: Counter[str] = Counter()
 
 
 def uneven_mesh_dims(interp: PlanInterpreter) -> set[int]:
@@ -188,10 +185,17 @@ def lowered_once(
     key: LoweringKey | None, lower: Callable[[], tuple[Partition, dict]]
 ) -> tuple[Partition, dict]:
     """`lower()`'s partition and statistics: this rank's own, or the reference rank's when
-    the witness's graphs showed them to be every rank's (see the module docstring)."""
+    the witness's graphs showed them to be every rank's (see the module docstring).  The
+    statistics say which (`"loaded"`: True when another rank lowered them)."""
+    part, stats, loaded = _lowered_once(key, lower)
+    return part, {**stats, "loaded": loaded}
+
+
+def _lowered_once(
+    key: LoweringKey | None, lower: Callable[[], tuple[Partition, dict]]
+) -> tuple[Partition, dict, bool]:
     if key is None:
-        counts["lowered"] += 1
-        return lower()
+        return (*lower(), False)
     store = key.store
     verdict_key = f"{_PREFIX}{key.digest}"
     witness_key = f"{verdict_key}/witness"
@@ -200,13 +204,10 @@ def lowered_once(
         data = store.get(verdict_key)
         _raise_if_failed(data)
         if data == _OWN:
-            counts["lowered"] += 1
-            return lower()
-        counts["loaded"] += 1
+            return (*lower(), False)
         log.info("lowered graphs: loaded what another rank lowered (%d KiB)", len(data) // 1024)
-        return _loads(data)
+        return (*_loads(data), True)
     publish = verdict_key if key.role == REFERENCE else witness_key
-    counts["lowered"] += 1
     try:
         part, stats = lower()
     except BaseException as e:
@@ -215,7 +216,7 @@ def lowered_once(
     code = _code(part)
     if key.role == WITNESS:
         store.set(witness_key, code)
-        return part, stats
+        return part, stats, False
     store.wait([witness_key], WAIT)
     theirs = store.get(witness_key)
     if theirs.startswith(_FAILED):
@@ -224,16 +225,16 @@ def lowered_once(
     if theirs != code:
         store.set(verdict_key, _OWN)
         log.info("lowered graphs: they differ between ranks; each rank lowers its own")
-        return part, stats
+        return part, stats, False
     try:
         data = _dumps(part, stats)
     except (pickle.PicklingError, TypeError, AttributeError) as e:  # an op pickle cannot name
         store.set(verdict_key, _OWN)
         log.info("lowered graphs: not shared (%s); each rank lowers its own", e)
-        return part, stats
+        return part, stats, False
     store.set(verdict_key, data)
     log.info("lowered graphs: published for the ranks with this program (%d KiB)", len(data) >> 10)
-    return part, stats
+    return part, stats, False
 
 
 def _code(part: Partition) -> bytes:
