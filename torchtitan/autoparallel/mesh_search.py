@@ -363,7 +363,6 @@ def choose(
     planned: Sequence[tuple[CandidateResult, Plan | None]],
     tie_break: Callable[[MeshCandidate], Any] | None = None,
     skipped: Sequence[tuple[str, str]] = (),
-    workers: int | None = None,
 ) -> MeshSearch:
     """The fastest of the planned candidates that fit (the caller's `tie_break` key among
     those within `TIE_REL`), or a `PlannerError` listing why none has a plan."""
