@@ -52,23 +52,7 @@ def run_in_child(
         if meanwhile is not None:
             meanwhile()
         return text
-    sys.stdout.flush()  # else the child would write this process's buffered text again
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    gc.freeze()  # the child's collections leave the inherited objects (and their pages) alone
-    parent = os.getpid()
-    try:
-        pid = os.fork()
-    except BaseException:
-        gc.unfreeze()
-        raise
-    if pid == 0:  # the child: answer, then leave without running this process's exit hooks
-        os.close(read_end)
-        if not die_with_parent(parent):
-            os._exit(1)
-        _answer(fn, write_end)
-    gc.unfreeze()
-    os.close(write_end)
+    pid, read_end = _fork(fn)
     try:
         if meanwhile is not None:
             meanwhile()
@@ -90,9 +74,6 @@ def map_in_children(
     raised (as `run_in_child` raises it), for the caller to raise or report."""
     if not can_fork() or workers <= 1 or len(fns) <= 1:
         return [_outcome_here(fn) for fn in fns]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    parent = os.getpid()
     out: list[str | Exception] = [RuntimeError(f"the {task} process did not run")] * len(fns)
     waiting = list(enumerate(fns))[::-1]
     running: dict[int, tuple[int, int, bytearray]] = {}  # read end -> (index, pid, answer)
@@ -101,15 +82,7 @@ def map_in_children(
         while waiting or running:
             while waiting and len(running) < workers:
                 i, fn = waiting.pop()
-                read_end, write_end = os.pipe()
-                gc.freeze()
-                pid = os.fork()
-                if pid == 0:
-                    os.close(read_end)
-                    if not die_with_parent(parent):
-                        os._exit(1)
-                    _answer(fn, write_end)
-                os.close(write_end)
+                pid, read_end = _fork(fn)
                 running[read_end] = (i, pid, bytearray())
                 selector.register(read_end, selectors.EVENT_READ)
             for key, _ in selector.select():
@@ -123,13 +96,38 @@ def map_in_children(
                 _, status = os.waitpid(pid, 0)
                 out[i] = _outcome(bytes(data), status, task)
     finally:
-        gc.unfreeze()
         selector.close()
         for read_end, (_, pid, _) in running.items():  # only after an error here
             os.close(read_end)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     return out
+
+
+def _fork(fn: Callable[[], str]) -> tuple[int, int]:
+    """Fork a child that writes `fn()`'s answer to a pipe and exits (dying with this process
+    if it goes first): its pid and the pipe's read end, for this process to read."""
+    sys.stdout.flush()  # else the child would write this process's buffered text again
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    gc.freeze()  # the child's collections leave the inherited objects (and their pages) alone
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    finally:
+        if os.getpid() == parent:
+            gc.unfreeze()
+    if pid == 0:  # the child: answer, then leave without running this process's exit hooks
+        os.close(read_end)
+        if not die_with_parent(parent):
+            os._exit(1)
+        _answer(fn, write_end)
+    os.close(write_end)
+    return pid, read_end
 
 
 def _outcome_here(fn: Callable[[], str]) -> str | Exception:
