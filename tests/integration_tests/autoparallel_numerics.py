@@ -404,13 +404,14 @@ def check_compiled_once(model_name, mesh_name, pm, compiles: int) -> None:
 
 def check_replicated(model_name, mesh_name, pm, plan) -> None:
     """A DDP-like plan: every parameter whole on every rank, and its backward reduces the
-    gradients with all-reduces only (in DDP-sized buckets, executor.py), no reduce-scatter."""
+    gradients with all-reduces only (in DDP-sized buckets, executor.py; eager graphs reduce
+    a bucket in place, in_place.py), no reduce-scatter."""
     from torchtitan.autoparallel.execute.buckets import AR, RS
 
     whole = [k for k, v in plan.params.items() if set(v) == {"R"}]
     (lp,) = pm._ap_executor.lowered.values()
     bwd = [n for n in lp.partition.bwd.graph.nodes if n.op == "call_function"]
-    n_ar = sum(n.target is AR for n in bwd)
+    n_ar = sum(n.target in (AR, torch.ops._c10d_functional.all_reduce_.default) for n in bwd)
     n_rs = sum(n.target is RS for n in bwd)
     check(
         f"{model_name}/{mesh_name} params replicated {len(whole)} of {len(plan.params)}, "

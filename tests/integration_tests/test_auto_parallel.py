@@ -182,6 +182,8 @@ def test_auto_dp4_issues_no_more_collectives_than_ddp(tmp_path):
     # its gradients in DDP-sized buckets: the whole debug model's in one all-reduce
     assert re.search(r"step 3: \d+ collectives \(all_reduce \d+\)", outputs["planned"])
     assert "lowered graphs: collectives forward none, backward 1 all_reduce" in outputs["planned"]
+    # reduced where its gradients were packed, as DDP reduces its bucket (no copy of it)
+    assert "sums and 1 all-reduces written into an operand" in outputs["planned"]
 
 
 def test_mesh_search_picks_a_mesh_matches_1rank_and_caches_every_candidate(train_on_ranks):

@@ -28,6 +28,9 @@ from torchtitan.autoparallel.execute.buckets import RS, WAIT, consecutive_units
 from torchtitan.autoparallel.execute.executor import InductorOnFirstCall
 from torchtitan.autoparallel.policies.recompute import fusible
 
+# an eager graph's all-reduce of a bucket it packed, done in place (execute/in_place.py)
+AR_IN_PLACE = torch.ops._c10d_functional.all_reduce_.default
+
 
 @pytest.fixture
 def dp4(fake_world):
@@ -96,8 +99,8 @@ def test_replicated_gradients_share_ddp_sized_all_reduce_buckets(dp4, monkeypatc
     unit boundaries, never above the cap unless one unit alone is larger."""
     from torchtitan.autoparallel.execute import buckets
 
-    def all_reduces(lp):
-        return nodes(lp.partition.bwd, buckets.AR)
+    def all_reduces(lp):  # (an eager graph reduces a bucket in place: in_place.py)
+        return nodes(lp.partition.bwd, buckets.AR) + nodes(lp.partition.bwd, AR_IN_PLACE)
 
     example = torch.randn(64, 16, 32)
     lp = lowered(dp4, lambda: MLPStack(n_layers=5), example, ddp=True)
@@ -204,9 +207,9 @@ def _gradient_chains(part, units):
         made, reductions = chains.setdefault(unit_of(fqn, units), ([], set()))
         first = True
         while (step := one_source(g)) is not None and step[0].op == "call_function":
-            if g.target in (RS, AR):
+            if g.target in (RS, AR, AR_IN_PLACE):
                 reductions.add(g)
-                if first and g.target is AR:
+                if first and g.target is not RS:
                     final_all_reduces.add(g)
                 first = False
             g = step[0]

@@ -1,14 +1,16 @@
-"""Eager lowered graphs write a sum into an operand that dies at it (execute/in_place.py):
-only where nothing else can see the operand change, with the functional graph's results."""
+"""Eager lowered graphs write a sum, or an all-reduce, into an operand that dies at it
+(execute/in_place.py): only where nothing else can see the operand change, with the
+functional graph's results."""
 
 import operator
 
 import pytest
 import torch
+import torch.distributed as dist
 from lowered_graphs import eager_then_for_inductor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torchtitan.autoparallel.execute.in_place import accumulate_in_place
+from torchtitan.autoparallel.execute.in_place import accumulate_in_place, reduce_in_place
 
 aten = torch.ops.aten
 
@@ -84,3 +86,41 @@ def test_a_sum_into_a_dying_operand_matches_the_functional_sum(alpha):
     gm = make_fx(f, tracing_mode="fake")(*args)
     assert accumulate_in_place(gm) == 1
     assert torch.equal(gm(*args), f(*args))
+
+
+_funcol = torch.ops._c10d_functional
+
+
+def _reductions(x, w, y, group):
+    def reduce(t):
+        return _funcol.wait_tensor(_funcol.all_reduce(t, "sum", group))
+
+    bucket = reduce(torch.cat([torch.mm(x, w).reshape(-1), y.reshape(-1)]))  # packed: in place
+    of_input = reduce(x)  # the caller's tensor: a copy is reduced
+    m = torch.mm(x, w)
+    read_again = reduce(m) + m  # m is read again: a copy is reduced
+    strided = reduce(torch.mm(x, w).t())  # not contiguous: a copy is reduced
+    viewed = reduce(torch.mm(x, w).view(-1))  # a view of a new product: in place
+    return bucket, of_input, read_again, strided, viewed
+
+
+def test_an_all_reduce_of_a_dying_operand_reduces_it_in_place(fake_world):
+    with fake_world(2):
+        group = dist.group.WORLD.group_name
+        args = _examples()[:3]
+        gm = make_fx(lambda x, w, y: _reductions(x, w, y, group), tracing_mode="fake")(*args)
+        reduces = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
+        assert len(reduces) == 5
+        assert reduce_in_place(gm) == 2
+        assert [n.target is _funcol.all_reduce_.default for n in reduces] == [
+            True,
+            False,
+            False,
+            False,
+            True,
+        ]
+        before = [t.clone() for t in args]
+        for got, want in zip(gm(*args), _reductions(*args, group)):
+            assert torch.equal(got, want)  # (the fake group reduces nothing)
+        for t, b in zip(args, before):
+            assert torch.equal(t, b)  # no input was written

@@ -316,8 +316,14 @@ class _GraphBuckets:
                     outs.append(out)
             else:
                 n = cast(int, extra[1]) if target is RS else 1
-                pieces = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
-                buf = g.call_function(_aten.cat.default, (pieces, 1))
+                if n == 1:  # one flat run (a copy per piece; along dim 1 it costs ~4x)
+                    flat = [g.call_function(_aten.reshape.default, (x, [-1])) for x in ins]
+                    buf = g.call_function(_aten.cat.default, (flat,))
+                else:  # rank r's chunk of every piece, side by side in row r
+                    pieces = [g.call_function(_aten.reshape.default, (x, [n, -1])) for x in ins]
+                    buf = g.call_function(_aten.cat.default, (pieces, 1))
+                like = ins[0].meta["val"]  # what the eager graphs' in-place pass reads
+                buf.meta["val"] = like.new_empty([n, sum(numels) // n] if n > 1 else [sum(numels)])
                 coll = g.call_function(target, (buf, *extra))
                 w = g.call_function(WAIT, (coll,))
                 flat_out = g.call_function(_aten.view.default, (w, [-1]))

@@ -43,7 +43,7 @@ from torchtitan.torch_private import (
 from ..child_process import can_fork, run_in_child
 from ..errors import PlannerError
 from .buckets import bucket_collectives
-from .in_place import accumulate_in_place
+from .in_place import accumulate_in_place, reduce_in_place
 from .interpret import PlanInterpreter
 from .lower import Partition, lower_joint, partition
 from .shared_compile import name_groups_by_role, one_compile_at_a_time
@@ -108,8 +108,10 @@ class LoweredPlan:
         self.bwd: Callable[[list], Any]
         if compile_options is None:
             log.info(
-                "lowered graphs: %d sums written into an operand that dies at them",
+                "lowered graphs: %d sums and %d all-reduces written into an operand that "
+                "dies at them",
                 self.stats["in_place"],
+                self.stats["reduced_in_place"],
             )
             self.fwd, self.bwd = _boxed(part.fwd), _boxed(part.bwd)
         else:
@@ -121,8 +123,8 @@ def _lower(
     executor: LoweredExecutor, keys: list[fx.Node], placements: list, locals_: list, device
 ) -> tuple[Partition, dict]:
     """The plan lowered for these local values: forward and backward graphs, collectives
-    bucketed (and, for eager mode, sums written in place), groups named by their role in
-    the mesh; and counts of what was done."""
+    bucketed (and, for eager mode, sums and all-reduces written in place), groups named by
+    their role in the mesh; and counts of what was done."""
     interp = executor.interp
     # the joint graph and the passes' intermediate graphs are never called: their Python
     # code is generated only for the two graphs that run, on their first call
@@ -137,6 +139,7 @@ def _lower(
         stats = bucket_collectives(part, executor.units)
     if executor.compile_options is None:
         stats["in_place"] = accumulate_in_place(part.fwd) + accumulate_in_place(part.bwd)
+        stats["reduced_in_place"] = reduce_in_place(part.fwd) + reduce_in_place(part.bwd)
     for gm in (part.fwd, part.bwd):  # the same code on every rank running this program
         name_groups_by_role(gm, interp.mesh)
     return part, stats

@@ -13,8 +13,13 @@ module's backward, accumulates such gradients into the first one in place.
   exists, and the operand is neither saved nor returned);
 * the sum has the operand's shape, dtype and strides (no broadcast into it, no promotion).
 
-Inductor plans its own buffers from the functional graph, so compiled graphs are left as
-they are.
+`reduce_in_place` does the same for a collective: `all_reduce(x)` (which copies `x` and
+reduces the copy) becomes `all_reduce_(x)` when `x` is such an operand (and contiguous, as a
+collective's buffer must be) — a bucket of gradients is reduced where it was packed, as
+DDP reduces its bucket, rather than copied once more.
+
+Inductor plans its own buffers from the functional graph (and reduces in place where it
+can), so compiled graphs are left as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 # returns a view of its input although its schema declares no alias
 _UNANNOTATED_VIEWS = {aten._unsafe_view.default}
@@ -51,6 +57,22 @@ def accumulate_in_place(gm: fx.GraphModule) -> int:
     return rewritten
 
 
+def reduce_in_place(gm: fx.GraphModule) -> int:
+    """Rewrite `gm`'s all-reduces whose operand dies at them to `all_reduce_`; how many."""
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _c10d.all_reduce.default:
+            continue
+        operand = node.args[0]
+        val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.is_contiguous() and _dies_at(operand, node):
+            node.target = _c10d.all_reduce_.default
+            rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def _writable_by(operand: fx.Node, add: fx.Node) -> bool:
     """Whether `add` may write its result into `operand` (module docstring)."""
     want, have = add.meta.get("val"), operand.meta.get("val")
@@ -58,8 +80,13 @@ def _writable_by(operand: fx.Node, add: fx.Node) -> bool:
         return False
     if (want.shape, want.dtype, want.stride()) != (have.shape, have.dtype, have.stride()):
         return False
+    return _dies_at(operand, add)
+
+
+def _dies_at(operand: fx.Node, reader: fx.Node) -> bool:
+    """Whether `operand` is memory this graph made that nothing but `reader` can see: the
+    chain of views from it up to the op that allocated it is read by nothing else."""
     node: fx.Node = operand
-    reader = add
     while list(node.users) == [reader] and node.op == "call_function":
         if node.target is operator.getitem:
             parent, idx = node.args
