@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._ops import OpOverload
+from torch.utils import _pytree as pytree
 
 from torchtitan.torch_private import FakeTensor, FakeTensorMode
 
@@ -34,6 +35,10 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, fx.Node):
             return ("node", obj.name)
+        if isinstance(obj, pytree.TreeSpec) and obj.is_leaf():
+            # pickle would remake it as a `LeafSpec`, a class torch deprecates (a warning
+            # from every rank that loads); torch's own leaf stands for every leaf
+            return ("leaf",)
         if isinstance(obj, OpOverload):
             return ("op", obj._schema.name, obj._overloadname)
         if isinstance(obj, FakeTensor):
@@ -58,6 +63,8 @@ class _Unpickler(pickle.Unpickler):
         kind, *rest = pid
         if kind == "node":
             return _NodeRef(rest[0])
+        if kind == "leaf":
+            return pytree.treespec_leaf()
         if kind == "fake":
             shape, stride, offset, dtype, device, requires_grad = rest
             if self.fake_mode is None:
