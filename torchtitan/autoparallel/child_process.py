@@ -41,6 +41,12 @@ def can_fork() -> bool:
     return sys.platform == "linux" and not torch.cuda.is_initialized()
 
 
+def cores() -> int:
+    """The cores this process may run on: how many children `map_in_children` runs at once
+    by default."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
 def run_in_child(
     fn: Callable[[], str], meanwhile: Callable[[], None] | None = None, task: str = "planning"
 ) -> str:

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ from typing import Any
 
 from torchtitan.torch_private import planning_mesh
 
-from .child_process import map_in_children
+from .child_process import cores, map_in_children
 from .errors import PlannerError
 from .plan.cache import cached_plan, plan_key
 from .plan.plan import Plan
@@ -74,6 +73,24 @@ class CandidateResult:
         """The mesh, and the schedule (and searched microbatch size) of a pipelined one."""
         text = self.mesh.label() + (f", {self.schedule}" if self.schedule else "")
         return text + (f", microbatch {self.microbatch_size}" if self.microbatch_size else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as JSON values (`from_dict` reads it back)."""
+        return {**asdict(self), "mesh": {"names": self.mesh.names, "shape": self.mesh.shape}}
+
+    @classmethod
+    def from_dict(cls, r: dict[str, Any]) -> CandidateResult:
+        return cls(
+            mesh=MeshCandidate(tuple(r["mesh"]["names"]), tuple(r["mesh"]["shape"])),
+            predicted=r["predicted"],
+            gap=r["gap"],
+            objective=r["objective"],
+            note=r["note"],
+            plan_s=r["plan_s"],
+            detail=r.get("detail", ""),
+            schedule=r.get("schedule", ""),
+            microbatch_size=r.get("microbatch_size", 0),
+        )
 
     @property
     def fits(self) -> bool:
@@ -178,10 +195,7 @@ class MeshSearch:
             {
                 "world": self.world,
                 "chosen": self.chosen,
-                "results": [
-                    {**asdict(r), "mesh": {"names": r.mesh.names, "shape": r.mesh.shape}}
-                    for r in self.results
-                ],
+                "results": [r.to_dict() for r in self.results],
                 "skipped": self.skipped,
                 "proven_margin": (
                     None if self.proven_margin in (None, math.inf) else self.proven_margin
@@ -194,20 +208,7 @@ class MeshSearch:
     @classmethod
     def from_json(cls, text: str) -> MeshSearch:
         data = json.loads(text)
-        results = [
-            CandidateResult(
-                mesh=MeshCandidate(tuple(r["mesh"]["names"]), tuple(r["mesh"]["shape"])),
-                predicted=r["predicted"],
-                gap=r["gap"],
-                objective=r["objective"],
-                note=r["note"],
-                plan_s=r["plan_s"],
-                detail=r.get("detail", ""),
-                schedule=r.get("schedule", ""),
-                microbatch_size=r.get("microbatch_size", 0),
-            )
-            for r in data["results"]
-        ]
+        results = [CandidateResult.from_dict(r) for r in data["results"]]
         skipped = [tuple(s) for s in data["skipped"]]
         plan = data.get("plan")
         plan = Plan.from_json(json.dumps(plan)) if plan is not None else None
@@ -314,9 +315,8 @@ def plan_candidates(
         plan = sub.solve_problem(problem, cache_dir)
         return json.dumps({"plan": plan.to_json(), "seconds": time.perf_counter() - t0})
 
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    answers = dict(zip(solving, map_in_children([partial(solve, i) for i in solving], workers)))
+    fns = [partial(solve, i) for i in solving]
+    answers = dict(zip(solving, map_in_children(fns, workers or cores())))
     out = []
     for i, (result, _, problem, key) in enumerate(prepared):
         plan: Plan | None = None

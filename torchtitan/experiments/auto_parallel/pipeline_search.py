@@ -8,6 +8,10 @@ microbatch over its data-parallel ranks, within its share of a rank's memory and
 microbatches the schedule keeps in flight on it.  Stages alike (first or not, last or not,
 as many blocks) are planned once, for the most microbatches any of them holds.
 
+The candidates are planned side by side, each traced and planned in a forked child process
+(`child_process.map_in_children`), as many at once as this process has cores; their results
+and stage plans come back as JSON.
+
 The candidate's step is the schedule's (`pipeline_cost.PipelineShape`): the slowest pipeline
 rank's stages per microbatch, times the microbatches, plus the bubble and the sends of the
 hidden states across the `pp` dim's link.  Its memory is the fullest rank's: its stages'
@@ -17,15 +21,18 @@ peaks with their microbatches in flight.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
+from torchtitan.autoparallel.child_process import cores, map_in_children
 from torchtitan.autoparallel.errors import PlannerError
 from torchtitan.autoparallel.mesh_search import CandidateResult, MeshCandidate, proven_gap
 from torchtitan.autoparallel.plan.plan import Plan
@@ -79,7 +86,7 @@ def plan_pipelined(
     whose stages cannot split as the job asks.  `pins` (parameter shapes, mesh dim names
     -> placements) pins each stage's parameters, to price a hand-written configuration;
     `stage_plans` receives each candidate's stage plans ({candidate label: {stages: plan}})."""
-    planned: list[tuple[CandidateResult, Plan | None]] = []
+    tasks: list[tuple[dict[str, int], MeshCandidate, StagePlan, int, int]] = []
     skipped: list[tuple[str, str]] = []
     for degrees in candidates:
         mesh = MeshCandidate(*zip(*mesh_dims(**degrees)))
@@ -93,20 +100,36 @@ def plan_pipelined(
             except UserInputError as e:
                 skipped.append((label, str(e)))
                 continue
-            t0 = time.perf_counter()
-            result, plans = _plan_candidate(
-                model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins, microbatch
-            )
-            result.microbatch_size = searched
-            if stage_plans is not None:
-                stage_plans[result.label()] = plans
-            result.plan_s = time.perf_counter() - t0
-            logger.info(
-                f"mesh {label}: "
-                + (f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note)
-                + f" ({result.detail}) in {result.plan_s:.1f}s"
-            )
-            planned.append((result, None))
+            tasks.append((degrees, mesh, stages, microbatch, searched))
+
+    def plan(task: tuple[dict[str, int], MeshCandidate, StagePlan, int, int]) -> str:
+        degrees, mesh, stages, microbatch, searched = task
+        t0 = time.perf_counter()
+        result, plans = _plan_candidate(
+            model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins, microbatch
+        )
+        result.microbatch_size = searched
+        result.plan_s = time.perf_counter() - t0
+        as_json = {which: json.loads(p.to_json()) for which, p in plans.items()}
+        return json.dumps({"result": result.to_dict(), "plans": as_json})
+
+    # each candidate traced and planned in a forked child, side by side
+    planned: list[tuple[CandidateResult, Plan | None]] = []
+    for answer in map_in_children([partial(plan, t) for t in tasks], cores()):
+        if isinstance(answer, Exception):
+            raise answer
+        data = json.loads(answer)
+        result = CandidateResult.from_dict(data["result"])
+        if stage_plans is not None:
+            stage_plans[result.label()] = {
+                which: Plan.from_json(json.dumps(p)) for which, p in data["plans"].items()
+            }
+        logger.info(
+            f"mesh {result.label()}: "
+            + (f"step {result.step_us / 1e3:.2f} ms" if result.fits else result.note)
+            + f" ({result.detail}) in {result.plan_s:.1f}s"
+        )
+        planned.append((result, None))
     return planned, skipped
 
 
