@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -66,9 +67,11 @@ def _parameters(layout: str, layers: int) -> list[torch.nn.Parameter]:
         model = Transformer(args)
         model.init_weights()
         return list(model.parameters())
-    if layout.startswith("FSDP"):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    fsdp = layout.startswith("FSDP")
+    shape, names = ((4,), ("dp",)) if fsdp else LAYOUTS[layout]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if fsdp:
         model = Transformer(args)
         model.init_weights()
         chunks = [p.detach().chunk(4)[0].clone() for p in model.parameters()]
@@ -76,12 +79,6 @@ def _parameters(layout: str, layers: int) -> list[torch.nn.Parameter]:
             torch.nn.Parameter(DTensor.from_local(c, mesh, (Shard(0),), run_check=False))
             for c in chunks
         ]
-    shape, names = LAYOUTS[layout]
-    world = 1
-    for n in shape:
-        world *= n
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     with torch.device("meta"):
         model = Transformer(args)
     batch = 8 if shape != (2, 2) else 4

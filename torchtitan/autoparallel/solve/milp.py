@@ -227,14 +227,14 @@ class Milp:
         status, relaxed = self._relaxation(time_limit, verbose)
         if status == Status.kInfeasible:
             return status, None, None, "LP", None
-        upper = np.asarray(self.ub, dtype=float)
+        upper = self._arrays().ub.copy()
         if relaxed is None:  # no usable bound: the whole program
             return self._branch_and_bound(upper, None, verbose, rel_gap, t_end)
         bound, x, reduced_cost = relaxed.bound, relaxed.x, relaxed.reduced_cost
         near, undecided = self._decided(x)
         if not undecided:
             return Status.kOptimal, list(x), bound, "LP (integral)", 0.0
-        lower = np.asarray(self.lb, dtype=float)
+        lower = self._arrays().lb
         # a heuristic program: the columns that matter near the bound (a guess,
         # HEURISTIC_SLACK) first, the decided groups alone if that holds no plan
         for slack in (HEURISTIC_SLACK * abs(bound), math.inf):
@@ -295,7 +295,7 @@ class Milp:
     def _decided(self, x: np.ndarray) -> tuple[np.ndarray, int]:
         """Upper bounds fixing every one-hot group the relaxation `x` decided (except
         `free_groups`) to its choice, and how many groups it left fractional."""
-        near = np.asarray(self.ub, dtype=float).copy()
+        near = self._arrays().ub.copy()
         undecided = 0
         for gi, g in enumerate(self.groups):
             k = int(np.argmax(x[g]))
@@ -309,7 +309,7 @@ class Milp:
 
     def _unfix(self, upper: np.ndarray) -> np.ndarray:
         cols = list(self.unfixable)
-        upper[cols] = np.asarray(self.ub, dtype=float)[cols]
+        upper[cols] = self._arrays().ub[cols]
         return upper
 
     def _branch_and_bound(
