@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from torchtitan.config import ConfigManager
 from torchtitan.config.resolve import pipeline_options
+from torchtitan.errors import UserInputError
 from torchtitan.experiments.auto_parallel import pipeline_search
 from torchtitan.models.llama3.args import llama3_configs
 from torchtitan.models.llama3.model import Transformer
@@ -84,3 +86,15 @@ def test_pipelined_candidates_planned_side_by_side_match_one_process(fake_world,
                 dataclasses.replace(p, timings={}).to_json() for p in (plan, here[2][label][which])
             ]
             assert untimed[0] == untimed[1], (label, which)
+
+
+def test_a_bad_option_found_in_a_child_is_the_trainers_one_line_error(fake_world, monkeypatch):
+    """An option that only a stage's planning finds wrong (raised in a forked child) comes
+    back as the same UserInputError, which the trainer prints as one `error:` line."""
+
+    def bad_option(*args, **kwargs):
+        raise UserInputError("--activation_checkpoint.selective_ac_option 2: no blocks here")
+
+    monkeypatch.setattr(pipeline_search, "_plan_candidate", bad_option)
+    with fake_world(4), pytest.raises(UserInputError, match="selective_ac_option 2: no blocks"):
+        _search(2, monkeypatch)

@@ -105,9 +105,12 @@ def plan_pipelined(
     def plan(task: tuple[dict[str, int], MeshCandidate, StagePlan, int, int]) -> str:
         degrees, mesh, stages, microbatch, searched = task
         t0 = time.perf_counter()
-        result, plans = _plan_candidate(
-            model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins, microbatch
-        )
+        try:
+            result, plans = _plan_candidate(
+                model, pipeline, stages, degrees, mesh, job_config, vocab_size, pins, microbatch
+            )
+        except UserInputError as e:  # raised as itself here, the trainer's one-line error
+            return json.dumps({"user_input_error": str(e)})
         result.microbatch_size = searched
         result.plan_s = time.perf_counter() - t0
         as_json = {which: json.loads(p.to_json()) for which, p in plans.items()}
@@ -119,6 +122,8 @@ def plan_pipelined(
         if isinstance(answer, Exception):
             raise answer
         data = json.loads(answer)
+        if "user_input_error" in data:
+            raise UserInputError(data["user_input_error"])
         result = CandidateResult.from_dict(data["result"])
         if stage_plans is not None:
             stage_plans[result.label()] = {
